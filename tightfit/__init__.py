@@ -1,0 +1,30 @@
+"""tightfit: fine-tune large language models in far less memory.
+
+The public API is re-exported here. Names are resolved lazily so that ``import tightfit``
+stays cheap (no transformers/peft import until a name that needs them is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "MemoryTracker": "tightfit.memory.tracker",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tightfit' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

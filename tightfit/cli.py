@@ -1,0 +1,49 @@
+"""The ``tightfit`` command line: one subcommand per job.
+
+Each subcommand lives in the package that owns it and exposes two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; this module only wires them up, so
+the options a user sees come from the same typed signatures the Python API uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (name, module, one-line help). A module is imported only when its command is built.
+_COMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "tightfit.optim.demo", "short paged-optimizer demonstration (prints what was paged)"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="tightfit",
+        description="Fine-tune large language models in far less memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name, help_text in _COMMANDS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tightfit`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        # Bad input: say what is wrong and how to fix it, without a traceback.
+        print(f"tightfit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

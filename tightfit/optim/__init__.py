@@ -1,0 +1,1 @@
+"""tightfit.optim."""

@@ -1,0 +1,1 @@
+"""tightfit.loss: the LM head and loss, computed in chunks."""

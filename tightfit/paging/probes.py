@@ -1,0 +1,284 @@
+"""Probes: how many bytes of a memory tier are in use right now, and how many it can hold.
+
+The pager keeps the device tier under a target occupancy; a probe is how it sees the real
+usage, including memory it does not own (activations, gradients, other libraries):
+
+- :class:`CudaProbe` — a CUDA device, from the driver (``torch.cuda.mem_get_info``) corrected
+  by the caching allocator's reserved-but-unallocated bytes, which torch can reuse without
+  asking the driver and so are headroom, not usage.
+- :class:`RSSProbe` — the CPU, as this process's resident set size (psutil). Its capacity is
+  what the user says, else the memory cgroup's limit when the process runs under one.
+- :class:`FakeProbe` — a test's device: a fake capacity and a usage made of callables
+  (e.g. "live activation bytes + resident optimizer bytes"), deterministic on any machine.
+
+Every probe remembers the highest usage it has reported (``peak_bytes``) and how many
+readings it took (``reads``), so a test can assert "never above the target" and a benchmark
+can count what watching cost.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+__all__ = ["CudaProbe", "FakeProbe", "Probe", "RSSProbe", "cgroup_memory_limit"]
+
+
+class Probe(ABC):
+    """Reads the used bytes of one memory tier; remembers the peak of its readings.
+
+    Subclasses implement :meth:`_used_bytes` and :meth:`capacity_bytes`.
+
+    Attributes:
+        device: The device whose memory this probe reads.
+        reads: Number of readings taken since construction or :meth:`reset_peak`.
+    """
+
+    device: torch.device
+
+    def __init__(self) -> None:
+        self._peak = 0
+        self.reads = 0
+
+    @abstractmethod
+    def _used_bytes(self) -> int:
+        """Bytes in use now, as this probe defines usage."""
+
+    @abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Bytes the tier can hold, or ``None`` when unknown (then a target must be in bytes)."""
+
+    def used_bytes(self) -> int:
+        """Read the current usage in bytes (and fold it into :attr:`peak_bytes`)."""
+        used = int(self._used_bytes())
+        self.reads += 1
+        if used > self._peak:
+            self._peak = used
+        return used
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest usage any reading has returned since construction or :meth:`reset_peak`."""
+        return self._peak
+
+    def reset_peak(self) -> None:
+        """Forget the peak and the reading count (e.g. between warm-up and measurement)."""
+        self._peak = 0
+        self.reads = 0
+
+    def headroom_bytes(self, limit_bytes: int) -> int:
+        """``limit_bytes`` minus the current usage (negative when over the limit)."""
+        return int(limit_bytes) - self.used_bytes()
+
+    def __repr__(self) -> str:
+        cap = self.capacity_bytes()
+        cap_s = "unknown" if cap is None else f"{cap / 2**20:.1f} MiB"
+        return f"{type(self).__name__}(device={self.device}, capacity={cap_s})"
+
+
+class CudaProbe(Probe):
+    """Usage of a CUDA device: what is not available to a new tensor of this process.
+
+    ``used = total - free - (reserved - allocated)``: ``total - free`` comes from the driver
+    and counts every process and context on the device; the caching allocator's reserved but
+    unallocated bytes are subtracted because torch reuses them without asking the driver, so a
+    cache that grew during a spike does not look like pressure after it.
+
+    Args:
+        device: A CUDA device (``"cuda"``, ``"cuda:1"``, an index). ``None`` is the current one.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device, or CUDA is not available.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        super().__init__()
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "CudaProbe needs a CUDA device and none is available; on the CPU use "
+                "RSSProbe(capacity_bytes=...) or FakeProbe for tests."
+            )
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif isinstance(device, int):
+            device = torch.device("cuda", device)
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaProbe reads a CUDA device, got {device}; use RSSProbe on the CPU.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        _, self._total = torch.cuda.mem_get_info(device)
+
+    def capacity_bytes(self) -> int:
+        return int(self._total)
+
+    def _used_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(total - free - cached)
+
+    def allocator_peak_bytes(self) -> int:
+        """Peak of the caching allocator (``max_memory_allocated``) plus today's non-torch usage.
+
+        Readings are samples; the allocator's own statistic sees every allocation, so this is
+        the bound to assert against after a region of code (reset it with
+        ``torch.cuda.reset_peak_memory_stats``).
+        """
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        non_torch = total - free - reserved
+        return int(non_torch + torch.cuda.max_memory_allocated(self.device))
+
+
+class RSSProbe(Probe):
+    """Usage of the CPU: this process's resident set size.
+
+    Args:
+        capacity_bytes: The memory the process may use, in bytes. ``None`` takes the memory
+            cgroup's limit when the process runs under one (see :func:`cgroup_memory_limit`),
+            else the capacity stays unknown and a pager target must be given in bytes.
+
+    Raises:
+        ValueError: ``capacity_bytes`` is not positive.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        super().__init__()
+        if capacity_bytes is not None and int(capacity_bytes) <= 0:
+            raise ValueError(
+                f"RSSProbe capacity_bytes must be positive, got {capacity_bytes}; pass the "
+                "memory the process may use in bytes, or None to use the cgroup limit."
+            )
+        self.device = torch.device("cpu")
+        self._capacity = int(capacity_bytes) if capacity_bytes is not None else cgroup_memory_limit()
+        # /proc/self/statm is what psutil reads on Linux; reading it ourselves skips psutil's
+        # per-call overhead. Other systems go through psutil.
+        self._statm = Path("/proc/self/statm") if sys.platform.startswith("linux") else None
+        self._page = os.sysconf("SC_PAGE_SIZE") if self._statm is not None else 1
+        self._proc = None
+        if self._statm is None:
+            import psutil
+
+            self._proc = psutil.Process()
+
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    def _used_bytes(self) -> int:
+        if self._statm is not None:
+            with open(self._statm, "rb") as f:
+                return int(f.read().split()[1]) * self._page
+        return int(self._proc.memory_info().rss)
+
+    @staticmethod
+    def process_peak_bytes() -> int:
+        """The operating system's high-water mark of this process's RSS (whole lifetime)."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup in bytes, or ``None`` when it has none.
+
+    Reads cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``) along the process's own
+    cgroup path; v1's "no limit" is a huge number, which counts as none.
+    """
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[int] = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            base, name = Path("/sys/fs/cgroup"), "memory.max"
+            if not (base / "cgroup.controllers").exists():
+                base = Path("/sys/fs/cgroup/unified")
+        elif "memory" in controllers.split(","):
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        path = base / rel.lstrip("/")
+        # a limit anywhere up the hierarchy applies; walk from the leaf to the root
+        while True:
+            try:
+                text = (path / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text and text != "max" and int(text) < 2**60:
+                limits.append(int(text))
+            if path == base or path.parent == path:
+                break
+            path = path.parent
+    return min(limits) if limits else None
+
+
+class FakeProbe(Probe):
+    """A test's device: a fake capacity and a usage summed from callables.
+
+    Args:
+        capacity_bytes: The fake device's capacity.
+        sources: Callables returning bytes in use (e.g. ``lambda: tracker.current_bytes``);
+            their sum plus ``base_bytes`` is the usage. More can be added with :meth:`add_source`.
+        base_bytes: Constant usage (e.g. parameters and gradients).
+        strict: Raise ``torch.OutOfMemoryError`` from any reading above the capacity, the way
+            a real allocator fails; the reading is still recorded in :attr:`peak_bytes`.
+        record: Keep every reading in :attr:`history` (for tests that want the whole trace).
+
+    Raises:
+        ValueError: ``capacity_bytes`` is not positive or ``base_bytes`` is negative.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        sources: Iterable[Callable[[], int]] = (),
+        *,
+        base_bytes: int = 0,
+        strict: bool = False,
+        record: bool = False,
+    ) -> None:
+        super().__init__()
+        if int(capacity_bytes) <= 0:
+            raise ValueError(
+                f"FakeProbe capacity_bytes must be positive, got {capacity_bytes}; "
+                "pass the fake device's size in bytes."
+            )
+        if int(base_bytes) < 0:
+            raise ValueError(f"FakeProbe base_bytes must be >= 0, got {base_bytes}.")
+        self.device = torch.device("cpu")
+        self._capacity = int(capacity_bytes)
+        self.sources: list[Callable[[], int]] = list(sources)
+        self.base_bytes = int(base_bytes)
+        self.strict = strict
+        self.history: list[int] | None = [] if record else None
+
+    def add_source(self, source: Callable[[], int]) -> None:
+        """Add a callable whose bytes count towards the usage."""
+        if not callable(source):
+            raise TypeError(f"FakeProbe sources must be callables returning bytes, got {source!r}.")
+        self.sources.append(source)
+
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def _used_bytes(self) -> int:
+        return self.base_bytes + sum(int(s()) for s in self.sources)
+
+    def used_bytes(self) -> int:
+        used = super().used_bytes()
+        if self.history is not None:
+            self.history.append(used)
+        if self.strict and used > self._capacity:
+            raise torch.OutOfMemoryError(
+                f"FakeProbe: {used} bytes in use exceed the fake capacity of "
+                f"{self._capacity} bytes"
+            )
+        return used

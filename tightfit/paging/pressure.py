@@ -1,0 +1,278 @@
+"""Target occupancy: the limit the pager keeps a device under, and the hooks that watch it.
+
+Optimizer state is not needed during forward and backward, so it is the first thing that can
+make room when activations spike (a long sequence, an odd batch, the recompute of a
+checkpointed segment). :class:`PressureWatch` installs cheap hooks on a model's blocks — a
+forward pre-hook, and a backward "pre-hook" (a hook on the block output's gradient, which fires
+before the block's backward runs) — that read a :class:`~tightfit.paging.probes.Probe` and call
+back with the bytes to free when the headroom under the target falls below a margin, i.e.
+*before* the next block allocates.
+
+Reading a probe costs a system call (~60 µs for RSS on a small VM), so checks are rate-limited:
+at most one per ``min_interval_s`` while the last reading left plenty of headroom, every hook
+call once it did not. Without pressure the cost is therefore bounded by
+``read_cost / min_interval_s`` plus a few microseconds of Python per hook.
+
+Example::
+
+    watch = PressureWatch(model, probe, target_bytes, on_pressure=pager.evict_bytes)
+    ...
+    watch.remove()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from tightfit.paging.probes import Probe
+
+__all__ = ["PressureWatch", "WatchStats", "find_watch_blocks", "resolve_target"]
+
+#: Default target on CUDA, as a fraction of the device's capacity.
+DEFAULT_CUDA_TARGET = 0.9
+
+#: ``on_pressure(need_bytes, reason) -> freed_bytes``.
+PressureCallback = Callable[[int, str], int]
+
+
+def resolve_target(target: float | int | None, probe: Probe) -> int:
+    """Turn a ``target`` option into bytes.
+
+    Args:
+        target: A float in (0, 1] is a fraction of the probe's capacity; an int is bytes;
+            ``None`` is 0.9 of the capacity on CUDA and an error elsewhere (on the CPU
+            "capacity" is what the user says it is).
+        probe: The probe whose capacity a fraction refers to.
+
+    Returns:
+        The target in bytes.
+
+    Raises:
+        TypeError: ``target`` is not a float, int or None.
+        ValueError: the fraction is outside (0, 1], the bytes are not positive, or a fraction
+            (or the default) was asked for and the probe's capacity is unknown.
+    """
+    if isinstance(target, bool) or not (target is None or isinstance(target, int | float)):
+        raise TypeError(
+            f"target must be a fraction of capacity (float in (0, 1]) or bytes (int), got "
+            f"{target!r}; e.g. target=0.9 or target=6 * 2**30."
+        )
+    capacity = probe.capacity_bytes()
+    if target is None:
+        if probe.device.type != "cuda":
+            raise ValueError(
+                f"a target is required on {probe.device.type!r}: pass target=<bytes> (an int), "
+                "e.g. target=8 * 2**30, or a probe with a known capacity and a fraction."
+            )
+        target = DEFAULT_CUDA_TARGET
+    if isinstance(target, float):
+        if not 0.0 < target <= 1.0:
+            raise ValueError(
+                f"a fractional target must be in (0, 1], got {target}; pass bytes as an int."
+            )
+        if capacity is None:
+            raise ValueError(
+                f"target={target} is a fraction of capacity, but {probe!r} does not know its "
+                "capacity; pass target=<bytes> (an int) or give the probe a capacity."
+            )
+        return int(target * capacity)
+    if target <= 0:
+        raise ValueError(f"target in bytes must be positive, got {target}.")
+    return int(target)
+
+
+def find_watch_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules to watch: the model's repeated blocks, then its output head.
+
+    The blocks are the longest ``nn.ModuleList`` (a transformer's decoder layers). The output
+    head (``get_output_embeddings()`` on Hugging Face models) is added because its logits are
+    often the largest single allocation of a step. A model without a ``ModuleList`` is watched
+    through its direct children.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    blocks: list[nn.Module] = list(max(lists, key=len)) if lists else list(model.children())
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(head, nn.Module) and all(head is not b for b in blocks):
+        blocks.append(head)
+    return blocks or [model]
+
+
+@dataclass
+class WatchStats:
+    """What watching did and cost.
+
+    Attributes:
+        hook_calls: Hook invocations (forward and backward).
+        reads: Probe readings taken (the rest were skipped by the rate limit).
+        triggers: Readings that found the headroom below the margin and called back.
+        freed_bytes: Bytes the callback reported freed, in total.
+        max_growth_bytes: Largest increase of usage seen between two consecutive readings.
+        time_s: Wall time spent inside the hooks, callbacks included.
+    """
+
+    hook_calls: int = 0
+    reads: int = 0
+    triggers: int = 0
+    freed_bytes: int = 0
+    max_growth_bytes: int = 0
+    time_s: float = 0.0
+
+
+class PressureWatch:
+    """Hooks on a model's blocks that free memory before the device passes its target.
+
+    Args:
+        model: The model to watch.
+        probe: Reads the device's usage.
+        target_bytes: Usage the device should stay under.
+        on_pressure: Called as ``on_pressure(need_bytes, reason)`` when a reading leaves less
+            than ``margin`` under the target; returns the bytes it freed. ``reason`` names the
+            hook, e.g. ``"forward:model.layers.3"`` or ``"backward:model.layers.3"``.
+        margin_bytes: Headroom to keep under the target at each check — it must cover what the
+            model allocates between two checks. ``None`` adapts: the larger of 1/16 of the
+            target and twice the largest growth seen between consecutive readings.
+        min_interval_s: Minimum time between readings while headroom is plentiful (more than
+            twice the margin). Readings are never skipped below that.
+        blocks: Modules to hook; ``None`` uses :func:`find_watch_blocks`.
+
+    Raises:
+        ValueError: ``target_bytes`` is not positive, ``margin_bytes`` is negative or not below
+            the target, or ``min_interval_s`` is negative.
+        TypeError: ``model`` is not an ``nn.Module`` or ``on_pressure`` is not callable.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        probe: Probe,
+        target_bytes: int,
+        on_pressure: PressureCallback,
+        *,
+        margin_bytes: int | None = None,
+        min_interval_s: float = 0.005,
+        blocks: Iterable[nn.Module] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch() needs an nn.Module, got {type(model).__name__}.")
+        if not callable(on_pressure):
+            raise TypeError("on_pressure must be callable as on_pressure(need_bytes, reason).")
+        if int(target_bytes) <= 0:
+            raise ValueError(f"target_bytes must be positive, got {target_bytes}.")
+        if margin_bytes is not None and not 0 <= int(margin_bytes) < int(target_bytes):
+            raise ValueError(
+                f"margin_bytes must be in [0, target_bytes={target_bytes}), got {margin_bytes}; "
+                "it is the headroom kept under the target, or None to adapt it."
+            )
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}.")
+        self.probe = probe
+        self.target_bytes = int(target_bytes)
+        self.on_pressure = on_pressure
+        self.fixed_margin = None if margin_bytes is None else int(margin_bytes)
+        self.min_interval_s = float(min_interval_s)
+        self.stats = WatchStats()
+        self._last_read_t = -float("inf")
+        self._last_used: int | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        names = {id(m): n for n, m in model.named_modules()}
+        for block in find_watch_blocks(model) if blocks is None else blocks:
+            name = names.get(id(block), type(block).__name__) or "model"
+            self._handles.append(block.register_forward_pre_hook(self._forward_pre(name)))
+            self._handles.append(block.register_forward_hook(self._forward_post(name)))
+
+    # -- policy ------------------------------------------------------------------------
+    @property
+    def margin_bytes(self) -> int:
+        """Headroom kept under the target at each check (fixed, or adapted to growth seen)."""
+        if self.fixed_margin is not None:
+            return self.fixed_margin
+        return max(self.target_bytes // 16, 2 * self.stats.max_growth_bytes)
+
+    def check(self, reason: str, *, force: bool = False) -> int:
+        """Read the probe (unless rate-limited) and call back if headroom is short.
+
+        Args:
+            reason: Recorded with any eviction, e.g. ``"forward:model.layers.3"``.
+            force: Read even inside the rate limit.
+
+        Returns:
+            Bytes freed by the callback (0 when no reading or no pressure).
+        """
+        t0 = time.perf_counter()
+        st = self.stats
+        st.hook_calls += 1
+        margin = self.margin_bytes
+        plenty = self._last_used is None or (
+            self.target_bytes - self._last_used > 2 * margin
+        )
+        if not force and plenty and t0 - self._last_read_t < self.min_interval_s:
+            st.time_s += time.perf_counter() - t0
+            return 0
+        used = self.probe.used_bytes()
+        st.reads += 1
+        if self._last_used is not None and used - self._last_used > st.max_growth_bytes:
+            st.max_growth_bytes = used - self._last_used
+            margin = self.margin_bytes
+        freed = 0
+        need = used - (self.target_bytes - margin)
+        if need > 0:
+            st.triggers += 1
+            freed = int(self.on_pressure(int(need), reason))
+            st.freed_bytes += freed
+            used -= freed
+        self._last_used = used
+        self._last_read_t = time.perf_counter()
+        st.time_s += self._last_read_t - t0
+        return freed
+
+    def reset(self) -> None:
+        """Forget the last reading (call between steps so growth is measured within one)."""
+        self._last_used = None
+        self._last_read_t = -float("inf")
+
+    # -- hooks -------------------------------------------------------------------------
+    def _forward_pre(self, name: str) -> Callable[..., None]:
+        reason = f"forward:{name}"
+
+        def hook(module: nn.Module, args: object) -> None:
+            self.check(reason)
+
+        return hook
+
+    def _forward_post(self, name: str) -> Callable[..., None]:
+        # A hook on the output's gradient runs when the gradient reaches the block, before the
+        # block's own backward (and, for a checkpointed block, before its recompute): a
+        # backward pre-hook without the input/output wrapping of register_full_backward_pre_hook.
+        reason = f"backward:{name}"
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            self.check(reason)
+
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(grad_hook)
+                    return
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove every hook this watch installed."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> PressureWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

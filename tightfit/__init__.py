@@ -14,6 +14,10 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "MemoryTracker": "tightfit.memory.tracker",
+    "Plan": "tightfit.checkpoint.plan",
+    "PagedAdamW": "tightfit.optim.adamw",
+    "PagedAdam": "tightfit.optim.adamw",
+    "PagedOptimizer": "tightfit.optim.base",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,198 @@
+"""Installing a plan on a model, and taking it off again exactly.
+
+A checkpointed segment of consecutive blocks is recomputed as one unit although the model's
+own loop calls its blocks one by one (``for layer in self.layers: h = layer(h, **kw)``).
+Each block's ``forward`` is patched: the segment's first block opens a non-reentrant
+checkpoint frame (torch's ``_checkpoint_without_reentrant_generator``, the generator behind
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``), every block's call is
+recorded with its keyword arguments (attention masks, position embeddings, …), and the last
+block closes the frame. In backward, torch recomputes the frame by replaying the recorded
+calls, feeding each block the replayed output of the block before it. RNG state is
+preserved by torch, so dropout masks match. Only the first block's inputs are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+
+from tightfit.checkpoint.plan import Plan, Segment
+from tightfit.checkpoint.selective import selective_context_fn
+
+STATE_ATTR = "_tightfit_checkpoint"
+_MISSING = object()
+
+
+@dataclass
+class _Link:
+    """Placeholder for an argument that was output ``index`` of the previous block."""
+
+    index: int
+
+
+class SegmentRunner:
+    """Runs consecutive blocks inside one non-reentrant checkpoint frame."""
+
+    def __init__(self, segment: Segment, offload: bool) -> None:
+        self.segment = segment
+        self.offload = offload
+        self.context_fn = selective_context_fn if segment.kind == "selective" else noop_context_fn
+        self._gen: Any = None
+        self._calls: list[tuple[Callable, Any, list[Any] | None]] = []
+        self._prev_ids: dict[int, int] = {}
+
+    def forward_for(self, pos: int, original: Callable) -> Callable:
+        """The replacement ``forward`` of the segment's ``pos``-th block."""
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._call(pos, original, args, kwargs)
+
+        forward.__tightfit_original__ = original  # type: ignore[attr-defined]
+        return forward
+
+    def _call(self, pos: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if pos == 0:
+            self.finish()  # a frame left open by an interrupted forward
+            if torch.is_grad_enabled():
+                self._open(args, kwargs)
+        if self._gen is None:  # no grad (eval / inference): nothing to checkpoint
+            return fn(*args, **kwargs)
+        if pos == 0:
+            self._calls.append((fn, None, None))
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            # Never hold the previous block's output here: that would keep the activations
+            # checkpointing is meant to drop. The replay feeds the recomputed one instead.
+            leaves = [_Link(self._prev_ids[id(x)]) if id(x) in self._prev_ids else x
+                      for x in leaves]
+            self._calls.append((fn, spec, leaves))
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self.abort()
+            raise
+        if pos == len(self.segment) - 1:
+            self.finish()
+        else:
+            outs, _ = tree_flatten(out)
+            self._prev_ids = {id(t): i for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
+        return out
+
+    def _open(self, args: tuple, kwargs: dict) -> None:
+        calls: list[tuple[Callable, Any, list[Any] | None]] = []
+        gen = _checkpoint_without_reentrant_generator(
+            functools.partial(_replay, calls), True, self.context_fn, "default", False, True,
+            *args, **kwargs,
+        )
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in tree_flatten(args)[0])
+        # The frame saves the segment's inputs when it opens: offloading exactly that save
+        # parks the checkpointed inputs on the host until the segment's backward.
+        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=True) if self.offload and on_cuda
+               else contextlib.nullcontext())
+        with ctx:
+            next(gen)
+        self._gen, self._calls, self._prev_ids = gen, calls, {}
+
+    def finish(self) -> None:
+        """Close the open frame normally (its forward is complete)."""
+        gen, self._gen, self._prev_ids = self._gen, None, {}
+        if gen is not None:
+            with contextlib.suppress(StopIteration):
+                next(gen)
+
+    def abort(self) -> None:
+        """Close the open frame after an exception in its forward."""
+        gen, self._gen, self._prev_ids = self._gen, None, {}
+        if gen is not None:
+            gen.close()
+
+
+def _replay(calls: list[tuple[Callable, Any, list[Any] | None]], *args: Any, **kwargs: Any) -> Any:
+    """Recompute a segment: the recorded block calls, chained through their outputs."""
+    out: Any = None
+    for fn, spec, leaves in calls:
+        if spec is None:
+            out = fn(*args, **kwargs)
+            continue
+        prev, _ = tree_flatten(out)
+        a, kw = tree_unflatten([prev[x.index] if isinstance(x, _Link) else x for x in leaves],
+                               spec)
+        out = fn(*a, **kw)
+    return out
+
+
+@dataclass
+class _Applied:
+    plan: Plan
+    blocks: list[nn.Module]
+    saved_forwards: list[Any]
+    runners: list[SegmentRunner]
+    hook: Any
+    config_use_cache: Any = _MISSING
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether a tightfit checkpoint plan is installed on ``model``."""
+    return isinstance(getattr(model, STATE_ATTR, None), _Applied)
+
+
+def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
+    """Patch ``blocks`` so the checkpointed segments of ``plan`` recompute in backward."""
+    saved = [b.__dict__.get("forward", _MISSING) for b in blocks]
+    runners: list[SegmentRunner] = []
+    for seg in plan.segments:
+        if seg.kind == "stored":
+            continue
+        runner = SegmentRunner(seg, plan.offload)
+        runners.append(runner)
+        for pos, i in enumerate(range(seg.start, seg.stop)):
+            blocks[i].forward = runner.forward_for(pos, blocks[i].forward)
+
+    def _close_frames(*_: Any) -> None:
+        # The model's forward has returned (or raised): no frame may stay open, even when
+        # the loop skipped the segment's last block.
+        for r in runners:
+            r.finish()
+
+    hook = model.register_forward_hook(_close_frames, always_call=True)
+    state = _Applied(plan, blocks, saved, runners, hook)
+    config = getattr(model, "config", None)
+    if plan.checkpointed_blocks and config is not None and getattr(config, "use_cache", False):
+        warnings.warn(
+            "tightfit.checkpoint: setting model.config.use_cache=False — a KV cache written in "
+            "forward would be written again by the recompute; disable() restores it.",
+            stacklevel=3,
+        )
+        state.config_use_cache = config.use_cache
+        config.use_cache = False
+    object.__setattr__(model, STATE_ATTR, state)
+
+
+def uninstall(model: nn.Module) -> Plan | None:
+    """Undo :func:`install` exactly; return the plan that was installed (``None`` if none)."""
+    state = getattr(model, STATE_ATTR, None)
+    if not isinstance(state, _Applied):
+        return None
+    for r in state.runners:
+        r.abort()
+    for block, fwd in zip(state.blocks, state.saved_forwards):
+        if fwd is _MISSING:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = fwd
+    state.hook.remove()
+    if state.config_use_cache is not _MISSING:
+        model.config.use_cache = state.config_use_cache
+    object.__delattr__(model, STATE_ATTR)
+    return state.plan

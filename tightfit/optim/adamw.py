@@ -1,0 +1,168 @@
+"""PagedAdamW and PagedAdam: torch's Adam/AdamW math on paged state.
+
+Only the layout (``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``; fp32) and
+the call into torch's kernels live here; paging is the base class's. The kernels are torch's
+functional ``adam`` (fused where the device supports it, foreach otherwise), given per-segment
+step tensors one behind the param's count, because they increment steps themselves and a
+param split across pages must not be counted twice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as _adam_functional
+
+from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.paging.layout import StateSpec
+
+
+def _fused_supported(device: torch.device) -> bool:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # pragma: no cover - older torch
+        return device.type == "cuda"
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+class PagedAdamW(PagedOptimizer):
+    """``torch.optim.AdamW`` with its state in pages that can live on device, host or disk.
+
+    Args:
+        params: params or param-group dicts.
+        lr: learning rate (float or 0-dim tensor, >= 0).
+        betas: coefficients of the running averages, each in [0, 1).
+        eps: term added to the denominator (> 0).
+        weight_decay: decoupled weight decay (>= 0).
+        amsgrad: keep the running maximum of ``exp_avg_sq``.
+        maximize: maximize the objective instead of minimizing it.
+        page_bytes: the most bytes one page holds (default 4 MiB).
+        device_budget: bytes of state allowed on the params' device (``None``: no limit).
+        host_budget: bytes of state in host RAM when params are on an accelerator.
+        spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
+        fused: use torch's fused kernel (``None``: where the device supports it).
+
+    Example:
+        >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+        >>> opt.memory_stats()["bytes_paged_in"]
+    """
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            # torch's own keys, so a state dict loads into torch.optim.AdamW/Adam unchanged
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": fused,
+            "decoupled_weight_decay": self._decoupled,
+        }
+        self._check_group(defaults)
+        super().__init__(
+            params,
+            defaults,
+            page_bytes=page_bytes,
+            device_budget=device_budget,
+            host_budget=host_budget,
+            spill_dir=spill_dir,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
+        if not float(lr) >= 0.0:  # also rejects NaN
+            raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 1e-4)")
+        if not (isinstance(betas, tuple | list) and len(betas) == 2):
+            raise TypeError(f"betas={betas!r} must be a pair (beta1, beta2), e.g. (0.9, 0.999)")
+        for i, b in enumerate(betas):
+            if not 0.0 <= float(b) < 1.0:
+                raise ValueError(
+                    f"betas[{i}]={float(b)} is outside [0, 1); pass e.g. betas=(0.9, 0.999)"
+                )
+        if not float(eps) > 0.0:
+            raise ValueError(f"eps={eps} must be > 0 (it keeps the update finite); e.g. 1e-8")
+        if not float(wd) >= 0.0:
+            raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 0.01)")
+
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        return [StateSpec(n, torch.float32) for n in names]
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        fused = group.get("fused")
+        if fused is None:
+            fused = _fused_supported(params[0].device)
+        beta1, beta2 = group["betas"]
+        _adam_functional(
+            params,
+            grads,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states.get("max_exp_avg_sq", []),
+            torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
+            foreach=not fused,
+            fused=fused,
+            decoupled_weight_decay=self._decoupled,
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+class PagedAdam(PagedAdamW):
+    """``torch.optim.Adam`` (L2 weight decay added to the gradient) with paged state.
+
+    Same arguments as :class:`PagedAdamW`; ``weight_decay`` defaults to 0 as in torch.
+    """
+
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

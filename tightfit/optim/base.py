@@ -1,0 +1,348 @@
+"""PagedOptimizer: a ``torch.optim.Optimizer`` whose per-element state lives in pages.
+
+The base class owns the page store and the step sweep; a subclass supplies only
+
+* ``_state_specs(group)`` — the state arrays (names, dtypes, blocks) a group needs;
+* ``unit`` — element alignment of params and page splits (256 for blockwise 8-bit state);
+* ``_check_group(group)`` — hyperparameter validation (raise before anything changes);
+* ``_update(group, params, grads, states, steps)`` — the math on lists of flat views, done by
+  torch's fused/foreach kernels;
+* optionally ``_export_segment`` / ``_import_segment`` — conversion of one segment of state
+  to/from torch's state-dict tensors (default: copy arrays of the same name).
+
+See ``docs/paging.md`` ("Extending: a new paged optimizer").
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from tightfit.optim import state_io
+from tightfit.paging.layout import Page, StateSpec, build_pages
+from tightfit.paging.store import PageStore
+from tightfit.paging.sweep import sweep
+from tightfit.paging.tiers import check_spill_dir
+
+DEFAULT_PAGE_BYTES = 4 << 20
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _check_bytes(name: str, value: Any, page_bytes: int, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}={value} is negative; pass a byte count >= 0 or None")
+    if value < page_bytes:
+        raise ValueError(
+            f"{name}={value} is below one page (page_bytes={page_bytes}); pass at least "
+            f"{page_bytes} bytes, lower page_bytes, or pass None for no limit"
+        )
+
+
+class PagedOptimizer(torch.optim.Optimizer):
+    """Base of the paged optimizers (see the module docstring for the subclass contract).
+
+    Args:
+        params: iterable of params or of param-group dicts, as for any torch optimizer.
+        defaults: default hyperparameters of the subclass.
+        page_bytes: the most bytes one page holds.
+        device_budget: bytes of state allowed on the params' device (``None``: no limit).
+        host_budget: bytes of state in host RAM when the params are on an accelerator
+            (``None``: no limit; ignored on the CPU, where the next tier is disk).
+        spill_dir: folder for the spill files (a private subfolder is made and removed on
+            close); ``None``: the system temp folder.
+    """
+
+    unit: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError(f"page_bytes={page_bytes!r} must be a positive int (e.g. 4 << 20)")
+        _check_bytes("device_budget", device_budget, page_bytes)
+        _check_bytes("host_budget", host_budget, page_bytes)
+        check_spill_dir(spill_dir)
+        params = list(params)
+        device = self._common_device(params)
+        self._page_bytes = page_bytes
+        self._store = PageStore(device, page_bytes, device_budget, host_budget, spill_dir)
+        self._finalizer = weakref.finalize(self, self._store.close)
+        self._group_pages: list[list[Page]] = []
+        self._step_id = 0
+        self._pending_step: int | None = None
+        self._closed = False
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ subclass contract
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
+        """The state arrays a param group needs."""
+        raise NotImplementedError
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError``/``TypeError`` for bad hyperparameters in ``group``."""
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """Update params and state in place; lists are parallel flat views, ``steps`` holds
+        each param's step count *after* this step's increment (shared between a param's
+        segments, so never modify them)."""
+        raise NotImplementedError
+
+    def _export_segment(
+        self, group: dict[str, Any], views: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Torch state-dict tensors (flat, fp32) of one segment of state."""
+        return {name: v.float() for name, v in views.items()}
+
+    def _import_segment(
+        self, group: dict[str, Any], values: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
+    ) -> None:
+        """Write one segment of torch state-dict tensors (flat) into the page views."""
+        for name, view in views.items():
+            view.copy_(values[name])
+
+    # ------------------------------------------------------------------ param groups
+    @staticmethod
+    def _common_device(params: list[Any]) -> torch.device:
+        devices = []
+        for item in params:
+            ps = item["params"] if isinstance(item, dict) else [item]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            devices += [p.device for p in ps if isinstance(p, torch.Tensor)]
+        if not devices:
+            raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
+        found = sorted({str(d) for d in devices})
+        if len(found) > 1:
+            raise ValueError(
+                f"params are on different devices ({', '.join(found)}); a paged optimizer pages "
+                "state for one device: move the params to one device or make one optimizer each"
+            )
+        return devices[0]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (validated first) and lay out its state pages."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        ps = group["params"]
+        if isinstance(ps, set):
+            raise TypeError("params must be an ordered collection (list), not a set")
+        group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        merged = {**self.defaults, **group}
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__}")
+            if p.device != self._store.device:
+                raise ValueError(
+                    f"param on {p.device} but this optimizer pages state for "
+                    f"{self._store.device}; move it or make another optimizer for it"
+                )
+            if not p.is_floating_point():
+                raise TypeError(f"param of dtype {p.dtype} cannot be optimized; use float params")
+            if not p.is_contiguous():
+                raise ValueError(
+                    "a param is not contiguous; call .data = p.data.contiguous() before "
+                    "building the optimizer (pages map flat element ranges)"
+                )
+        self._check_group(merged)
+        specs = self._state_specs(merged)
+        n_before = len(self.param_groups)
+        super().add_param_group(group)
+        if len(self.param_groups) == n_before:  # pragma: no cover - torch raised instead
+            return
+        g = len(self.param_groups) - 1
+        pg = self.param_groups[g]
+        pages = build_pages(
+            g,
+            [p.numel() for p in pg["params"]],
+            [p.dtype for p in pg["params"]],
+            specs,
+            self.unit,
+            self._page_bytes,
+            first_index=len(self._store.pages),
+        )
+        self._group_pages.append(pages)
+        self._store.add_pages(pages)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step (streaming pages through the device as needed).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        self._check_open()
+        if self._pending_step is not None:
+            raise RuntimeError(
+                "the previous step stopped part-way; call finish_step() to complete it "
+                "(with the same gradients) before the next step"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError(
+                        f"{type(self).__name__} does not support sparse gradients; use "
+                        "torch.optim.SparseAdam for sparse embeddings or dense gradients"
+                    )
+                active.append(p)
+        if not active:
+            return loss
+        self._store.materialize()
+        steps = []
+        for p in active:
+            if p not in self.state:
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            steps.append(self.state[p]["step"])
+        self._step_id += 1
+        self._pending_step = self._step_id
+        torch._foreach_add_(steps, 1)
+        self._run_sweep()
+        return loss
+
+    def finish_step(self) -> None:
+        """Complete a step that stopped part-way, updating only the pages it had not updated."""
+        self._check_open()
+        if self._pending_step is not None:
+            self._run_sweep()
+
+    def _run_sweep(self) -> None:
+        pages = [
+            page
+            for gi, group in enumerate(self.param_groups)
+            for page in self._group_pages[gi]
+            if any(group["params"][s.param].grad is not None for s in page.segments)
+        ]
+        sweep(self._store, pages, self._pending_step, self._update_pages)  # type: ignore[arg-type]
+        self._pending_step = None
+
+    def _update_pages(self, items: list[tuple[Page, torch.Tensor]]) -> None:
+        buckets: dict[tuple[int, torch.dtype], list[tuple[Page, torch.Tensor]]] = {}
+        for page, buf in items:
+            buckets.setdefault((page.group, page.dtype), []).append((page, buf))
+        for (gi, dtype), bucket in buckets.items():
+            group = self.param_groups[gi]
+            params, grads, steps = [], [], []
+            states: dict[str, list[torch.Tensor]] = {}
+            for page, buf in bucket:
+                views = page.segment_views(buf)
+                for k, seg in enumerate(page.segments):
+                    p = group["params"][seg.param]
+                    if p.grad is None:
+                        continue
+                    end = seg.start + seg.length
+                    params.append(p.view(-1)[seg.start : end])
+                    grads.append(p.grad.reshape(-1)[seg.start : end])
+                    steps.append(self.state[p]["step"])
+                    for name, vs in views.items():
+                        states.setdefault(name, []).append(vs[k])
+            if not params:
+                continue
+            if dtype in _LOW_PRECISION:
+                # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
+                p32 = [p.float() for p in params]
+                self._update(group, p32, [g.float() for g in grads], states, steps)
+                torch._foreach_copy_(params, p32)
+            else:
+                self._update(group, params, grads, states, steps)
+
+    # ------------------------------------------------------------------ state dicts, files
+    def state_dict(self) -> dict[str, Any]:
+        """Torch-format state dict (e.g. ``torch.optim.AdamW``'s), gathered from the pages."""
+        self._check_open()
+        return state_io.to_torch(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
+        self._check_open()
+        state_io.from_torch(self, state_dict)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the state page by page to ``path`` (atomically: temp file + rename)."""
+        self._check_open()
+        state_io.save(self, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a file written by :meth:`save` for the same params, page by page."""
+        self._check_open()
+        state_io.load(self, path)
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def pager(self) -> PageStore:
+        """The page store (residency, budgets, counters, events)."""
+        return self._store
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Bytes per tier, peak device bytes and cumulative paging traffic.
+
+        Returns:
+            ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
+            ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``bytes_paged_in``,
+            ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
+            ``device_budget``, ``host_budget``, ``spill_dir``.
+        """
+        s, c = self._store, self._store.counters
+        return {
+            "device_bytes": s.device_bytes,
+            "host_bytes": s.host_bytes,
+            "disk_bytes": s.disk_bytes(),
+            "peak_device_bytes": s.peak_device_bytes,
+            "state_bytes": s.state_bytes,
+            "resident_bytes": s.resident_bytes(),
+            "window_bytes": sum(t.numel() for t in s.slots),
+            "bytes_paged_in": c.bytes_paged_in,
+            "bytes_paged_out": c.bytes_paged_out,
+            "page_faults": c.page_faults,
+            "stall_seconds": c.stall_seconds,
+            "pages": len(s.pages),
+            "page_bytes": s.page_bytes,
+            "device_budget": s.device_budget,
+            "host_budget": s.host_budget,
+            "spill_dir": s.spill.folder,
+        }
+
+    def close(self) -> None:
+        """Free every page, stop the copy worker and delete the spill files (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+            self.state.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed; make a new optimizer")
+
+    def __enter__(self) -> PagedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,221 @@
+"""State of a paged optimizer in and out: torch-format state dicts and streamed page files.
+
+Torch format (``{"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}``) is what
+``torch.optim.AdamW`` reads and writes, so a run can move between the two either way. The page
+file is for states too big for RAM: a JSON header, then each page's bytes in sweep order,
+written to a temp file and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tightfit.optim.base import PagedOptimizer
+
+_MAGIC = b"TIGHTFIT-PAGES\x00\x01"
+
+
+def _params(opt: PagedOptimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
+    """Gather the pages into a torch-format state dict (CPU tensors, fp32 state)."""
+    sd = torch.optim.Optimizer.state_dict(opt)  # param_groups + per-param "step"
+    index = {id(p): i for i, p in enumerate(_params(opt))}
+    full: dict[int, dict[str, torch.Tensor]] = {}
+    for page in opt.pager.pages:
+        group = opt.param_groups[page.group]
+        data = None
+        for k, seg in enumerate(page.segments):
+            p = group["params"][seg.param]
+            if p not in opt.state:
+                continue  # torch keeps no state for a param that never had a gradient
+            if data is None:
+                data = page.segment_views(opt.pager.read_page(page))
+            values = opt._export_segment(group, {n: vs[k] for n, vs in data.items()})
+            slot = full.setdefault(index[id(p)], {})
+            for name, v in values.items():
+                dst = slot.setdefault(name, torch.empty(p.numel(), dtype=torch.float32))
+                dst[seg.start : seg.start + seg.length] = v[: seg.length]
+    for i, p in enumerate(_params(opt)):
+        if i not in full:
+            continue
+        entry = sd["state"][i]
+        entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+        for name, flat in full[i].items():
+            entry[name] = flat.view(p.shape)
+    return sd
+
+
+def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load a torch-format state dict into the pages; checks everything before changing any."""
+    if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
+        raise ValueError(
+            "not an optimizer state dict (needs 'state' and 'param_groups'); pass the result "
+            "of optimizer.state_dict()"
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"state dict has {len(saved_groups)} param groups but this optimizer has "
+            f"{len(opt.param_groups)}; build the optimizer with the same groups as the saved one"
+        )
+    id_to_param: dict[Any, torch.Tensor] = {}
+    new_groups = []
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {gi} has {len(group['params'])} params but the state dict has "
+                f"{len(saved['params'])}; load a state dict saved for the same model"
+            )
+        id_to_param.update(zip(saved["params"], group["params"]))
+        merged = {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
+        for k, v in group.items():  # keys the saved dict lacks keep their current value
+            merged.setdefault(k, v)
+        if isinstance(merged.get("betas"), list):
+            merged["betas"] = tuple(merged["betas"])
+        opt._check_group(merged)
+        specs = opt._state_specs(merged)
+        if [s.name for s in specs] != [s.name for s in opt._state_specs(group)]:
+            raise ValueError(
+                f"param group {gi} was saved with state {[s.name for s in specs]} but this "
+                f"optimizer pages {[s.name for s in opt._state_specs(group)]} (e.g. amsgrad "
+                "differs); build the optimizer with the saved hyperparameters"
+            )
+        new_groups.append(merged)
+    owner = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    loaded: dict[int, dict[str, Any]] = {}
+    for key, entry in state_dict["state"].items():
+        if key not in id_to_param:
+            raise ValueError(f"state dict has state for param {key!r}, which no group lists")
+        p = id_to_param[key]
+        names = [s.name for s in opt._state_specs(new_groups[owner[id(p)]])]
+        missing = [n for n in ["step", *names] if n not in entry]
+        if missing:
+            raise ValueError(
+                f"state of param {key} lacks {missing}; load a state dict of the same optimizer "
+                "type (torch AdamW/Adam for PagedAdamW/PagedAdam)"
+            )
+        for n in names:
+            t = entry[n]
+            if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"state {n!r} of param {key} has shape {shape} but the param has shape "
+                    f"{tuple(p.shape)}; the state dict is for another parameter layout"
+                )
+        loaded[id(p)] = entry
+    # Everything checked: now change things.
+    opt.pager.materialize()
+    for gi, merged in enumerate(new_groups):
+        opt.param_groups[gi].clear()
+        opt.param_groups[gi].update(merged)
+    opt.state.clear()
+    for p in _params(opt):
+        entry = loaded.get(id(p))
+        if entry is not None:
+            step = entry["step"]
+            step = float(step.item() if isinstance(step, torch.Tensor) else step)
+            opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+    for page in opt.pager.pages:
+        group = opt.param_groups[page.group]
+        buf = torch.zeros(page.nbytes, dtype=torch.uint8)
+        views = page.segment_views(buf)
+        for k, seg in enumerate(page.segments):
+            entry = loaded.get(id(group["params"][seg.param]))
+            if entry is None:
+                continue
+            end = seg.start + seg.length
+            values = {
+                n: entry[n].detach().reshape(-1)[seg.start : end].to("cpu", torch.float32)
+                for n in views
+            }
+            opt._import_segment(group, values, {n: vs[k] for n, vs in views.items()})
+        opt.pager.write_page(page, buf)
+    opt._pending_step = None
+
+
+def _header(opt: PagedOptimizer) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.item()
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    return {
+        "optimizer": type(opt).__name__,
+        "groups": [
+            {k: plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
+        ],
+        "params": [[list(p.shape) for p in g["params"]] for g in opt.param_groups],
+        "steps": [
+            [opt.state[p]["step"].item() if p in opt.state else None for p in g["params"]]
+            for g in opt.param_groups
+        ],
+        "pages": [[p.group, str(p.dtype), p.elements, p.nbytes] for p in opt.pager.pages],
+    }
+
+
+def save(opt: PagedOptimizer, path: str | os.PathLike) -> None:
+    """Stream every page to ``path``; a crash mid-write leaves any old file intact."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"folder {folder!r} does not exist; create it before save()")
+    header = json.dumps(_header(opt)).encode()
+    fd, tmp = tempfile.mkstemp(prefix=".tightfit-save-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
+            for page in opt.pager.pages:  # one page in RAM at a time
+                f.write(opt.pager.read_page(page).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load(opt: PagedOptimizer, path: str | os.PathLike) -> None:
+    """Read a :func:`save` file into the pages; checks the layout before changing anything."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        magic = f.read(len(_MAGIC))
+        if magic != _MAGIC:
+            raise ValueError(f"{path!r} is not a tightfit page file; pass a file written by save()")
+        (n,) = struct.unpack("<Q", f.read(8))
+        saved = json.loads(f.read(n))
+        mine = _header(opt)
+        for key, what in (("optimizer", "optimizer type"), ("params", "param shapes"),
+                          ("pages", "page layout (page_bytes, dtypes, groups)")):
+            if saved[key] != mine[key]:
+                raise ValueError(
+                    f"{path!r} was saved with another {what}; load it into an optimizer built "
+                    "with the same params, groups, hyperparameters and page_bytes"
+                )
+        expected = f.tell() + sum(p.nbytes for p in opt.pager.pages)
+        if os.fstat(f.fileno()).st_size != expected:
+            raise ValueError(f"{path!r} is truncated or corrupt; save it again")
+        opt.pager.materialize()
+        for page in opt.pager.pages:
+            data = torch.frombuffer(bytearray(f.read(page.nbytes)), dtype=torch.uint8)
+            opt.pager.write_page(page, data)
+    opt.state.clear()
+    for gi, (group, sg) in enumerate(zip(opt.param_groups, saved["groups"])):
+        for k, v in sg.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+        for p, step in zip(group["params"], saved["steps"][gi]):
+            if step is not None:
+                opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+    opt._pending_step = None

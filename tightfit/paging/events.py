@@ -1,0 +1,51 @@
+"""A record of what the pager did and why: one event per decision that moved bytes.
+
+The step sweep does not log here (its traffic is summed in the counters); explicit residency
+changes do — evictions under pressure, restores, budget changes — so a report can say when
+pages left the device, how many bytes, and what forced it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PagingEvent:
+    """One residency change.
+
+    Attributes:
+        time: ``time.monotonic()`` when it happened.
+        kind: ``"evict"``, ``"restore"``, ``"budget"`` or another short verb.
+        reason: why, in words (``"pressure: 91% of device in use"``).
+        nbytes: bytes of state moved.
+        pages: number of pages moved.
+        src: tier the pages left (``"device"``, ``"host"``, ``"disk"``).
+        dst: tier they went to.
+    """
+
+    time: float
+    kind: str
+    reason: str
+    nbytes: int
+    pages: int
+    src: str
+    dst: str
+
+
+@dataclass
+class EventLog:
+    """Append-only list of :class:`PagingEvent`, bounded so a long run cannot grow it forever."""
+
+    limit: int = 10_000
+    events: list[PagingEvent] = field(default_factory=list)
+    dropped: int = 0
+
+    def record(self, kind: str, reason: str, nbytes: int, pages: int, src: str, dst: str) -> None:
+        """Append one event (dropping the oldest past ``limit``)."""
+        self.events.append(PagingEvent(time.monotonic(), kind, reason, nbytes, pages, src, dst))
+        if len(self.events) > self.limit:
+            drop = len(self.events) - self.limit
+            del self.events[:drop]
+            self.dropped += drop

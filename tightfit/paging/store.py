@@ -1,0 +1,283 @@
+"""The page store: which page lives in which tier, within byte budgets, and the traffic counters.
+
+Residency is planned for the optimizer's cyclic sweep, where LRU thrashes: a fixed set of pages
+stays on the device (as many as the budget allows after reserving a small streaming window) and
+the rest stream through the window every step. That moves the minimum, 2 × the non-resident
+bytes per step. The store also exposes the primitives the pressure logic needs — lower or raise
+the device limit (evicting or restoring pages by bytes) with an event per change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tightfit.paging.events import EventLog
+from tightfit.paging.layout import Page
+from tightfit.paging.tiers import CopyEngine, CudaCopyEngine, SpillArea
+
+WINDOW_SLOTS = 2  # current page + one being prefetched
+
+
+@dataclass
+class PagingCounters:
+    """Cumulative traffic of a store (bytes are bytes of optimizer state)."""
+
+    bytes_paged_in: int = 0  # into the device tier
+    bytes_paged_out: int = 0  # out of the device tier
+    page_faults: int = 0  # pages needed by an update that were not resident
+    stall_seconds: float = 0.0  # time the update waited for copies
+
+
+class PageStore:
+    """Owns every page's bytes and decides where they live.
+
+    Args:
+        device: the params' device; state pages are updated there.
+        page_bytes: nominal page size (every page holds at most this many bytes).
+        device_budget: bytes of state allowed on ``device`` (``None``: no limit).
+        host_budget: bytes of state allowed in host RAM when ``device`` is an accelerator
+            (``None``: no limit). Ignored on the CPU, where device and host are one tier.
+        spill_dir: parent folder of the spill files (``None``: the system temp folder).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        page_bytes: int,
+        device_budget: int | None,
+        host_budget: int | None,
+        spill_dir: str | os.PathLike | None,
+    ) -> None:
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.page_bytes = page_bytes
+        self.device_budget = device_budget
+        self.host_budget = None if self.on_cpu else host_budget
+        self.device_limit = device_budget  # lowered by pressure (see limit_device)
+        self.pages: list[Page] = []
+        self.spill = SpillArea(spill_dir)
+        self.events = EventLog()
+        self.counters = PagingCounters()
+        self.engine: CopyEngine = CopyEngine() if self.on_cpu else CudaCopyEngine(device)
+        self.slots: list[torch.Tensor] = []
+        self.materialized = False
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.peak_device_bytes = 0
+        self._spill_sizes: dict[int, int] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ layout
+    def add_pages(self, pages: list[Page]) -> None:
+        """Register new pages (one param group's); they are allocated by :meth:`materialize`."""
+        for page in pages:
+            size = self._spill_sizes.get(page.group, 0)
+            page.spill_offset = size
+            self._spill_sizes[page.group] = size + page.nbytes
+            page.tier = "new"
+            self.pages.append(page)
+        for group, size in self._spill_sizes.items():
+            self.spill.reserve(group, size)
+        if self.materialized:
+            self.apply_plan("param group added")
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all pages together."""
+        return sum(p.nbytes for p in self.pages)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self) -> tuple[list[str], int]:
+        """Target tier of every page and the number of window slots, under the current limits."""
+        total = self.state_bytes
+        limit = self.device_limit
+        if limit is None or total <= limit:
+            return ["device"] * len(self.pages), 0
+        biggest = max(p.nbytes for p in self.pages)
+        slots = max(1, min(WINDOW_SLOTS, limit // biggest))
+        room = limit - slots * biggest
+        host_room = self.host_budget
+        tiers = []
+        for page in self.pages:  # resident set = a prefix of the sweep order (any fixed set works)
+            if page.nbytes <= room:
+                tiers.append("device")
+                room -= page.nbytes
+            elif self.on_cpu:
+                tiers.append("disk")
+            elif host_room is None or page.nbytes <= host_room:
+                tiers.append("host")
+                if host_room is not None:
+                    host_room -= page.nbytes
+            else:
+                tiers.append("disk")
+        return tiers, slots
+
+    def materialize(self) -> None:
+        """Allocate every page (zeros) in its planned tier."""
+        if not self.materialized:
+            self.materialized = True
+            self.apply_plan("initial placement")
+
+    def apply_plan(self, reason: str) -> None:
+        """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any."""
+        tiers, nslots = self.plan()
+        self.engine.synchronize()
+        moves: dict[tuple[str, str], list[int]] = {}
+        # Leave the device first so the peak never exceeds the limit mid-move.
+        order = sorted(range(len(self.pages)), key=lambda i: tiers[i] == "device")
+        self._free_slots()  # re-made below at the size the new plan needs
+        for i in order:
+            page, dst = self.pages[i], tiers[i]
+            src = page.tier
+            if src == dst:
+                continue
+            self._move(page, dst)
+            if src != "new":
+                moves.setdefault((src, dst), []).append(page.nbytes)
+        if nslots:
+            biggest = max(p.nbytes for p in self.pages if p.tier != "device")
+            self.slots = [self._alloc("device", biggest) for _ in range(nslots)]
+        for (src, dst), sizes in moves.items():
+            kind = "evict" if src == "device" else "restore" if dst == "device" else "move"
+            self.events.record(kind, reason, sum(sizes), len(sizes), src, dst)
+            if src == "device":
+                self.counters.bytes_paged_out += sum(sizes)
+            if dst == "device":
+                self.counters.bytes_paged_in += sum(sizes)
+
+    def limit_device(self, limit: int | None, reason: str) -> None:
+        """Set the device limit (at most ``device_budget``) and move pages to honour it.
+
+        This is the hook for pressure handling: lower it when activations need the room, raise
+        it (up to the budget) when they are gone.
+        """
+        if limit is not None and limit < self.page_bytes:
+            raise ValueError(
+                f"device limit {limit} is below one page ({self.page_bytes} bytes); "
+                "keep at least one page or lower page_bytes"
+            )
+        if self.device_budget is not None:
+            limit = self.device_budget if limit is None else min(limit, self.device_budget)
+        self.device_limit = limit
+        if self.materialized:
+            self.apply_plan(reason)
+
+    def evict_bytes(self, nbytes: int, reason: str) -> int:
+        """Move pages off the device until ``nbytes`` are freed (or one page's room is left).
+
+        Returns:
+            The device bytes actually freed (window slots included).
+        """
+        before = self.device_bytes
+        target = max(self.page_bytes, self.device_bytes - nbytes)
+        self.limit_device(target, reason)
+        return before - self.device_bytes
+
+    def restore_bytes(self, nbytes: int | None, reason: str) -> int:
+        """Raise the device limit by ``nbytes`` (``None``: back to ``device_budget``).
+
+        Returns:
+            The device bytes added (pages brought back, net of window slots released).
+        """
+        before = self.device_bytes
+        if nbytes is None or self.device_limit is None:
+            self.limit_device(self.device_budget, reason)
+        else:
+            self.limit_device(self.device_limit + nbytes, reason)
+        return self.device_bytes - before
+
+    # ------------------------------------------------------------------ bytes
+    def _alloc(self, tier: str, nbytes: int) -> torch.Tensor:
+        if tier == "device":
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+            return buf
+        self.host_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.on_cpu)
+
+    def _release(self, tier: str, nbytes: int) -> None:
+        if tier == "device":
+            self.device_bytes -= nbytes
+        elif tier == "host":
+            self.host_bytes -= nbytes
+
+    def _free_slots(self) -> None:
+        for slot in self.slots:
+            self._release("device", slot.numel())
+        self.slots = []
+
+    def home(self, page: Page) -> torch.Tensor:
+        """The bytes of a non-device page: its host buffer or its spill-file region."""
+        if page.tier == "host":
+            assert page.buf is not None
+            return page.buf
+        return self.spill.region(page.group, page.spill_offset, page.nbytes)
+
+    def _move(self, page: Page, dst: str) -> None:
+        if page.tier == "new":
+            data = None
+        elif page.tier == "disk":
+            data = self.home(page)
+        else:
+            data = page.buf
+        if dst == "disk":
+            region = self.spill.region(page.group, page.spill_offset, page.nbytes)
+            if data is None:
+                region.zero_()
+            else:
+                region.copy_(data)
+            new_buf = None
+        else:
+            new_buf = self._alloc(dst, page.nbytes)
+            if data is None:
+                new_buf.zero_()
+            else:
+                new_buf.copy_(data)
+        if page.tier in ("device", "host"):
+            self._release(page.tier, page.nbytes)
+        page.buf, page.tier = new_buf, dst
+
+    def read_page(self, page: Page) -> torch.Tensor:
+        """A CPU copy of a page's bytes (for state dicts and saving)."""
+        self.engine.synchronize()
+        if page.tier == "disk":
+            return self.home(page).clone()
+        assert page.buf is not None
+        return page.buf.to("cpu", copy=True)
+
+    def write_page(self, page: Page, data: torch.Tensor) -> None:
+        """Overwrite a page's bytes with ``data`` (a uint8 CPU tensor of ``page.nbytes``)."""
+        self.engine.synchronize()
+        if page.tier == "disk":
+            self.home(page).copy_(data)
+        else:
+            assert page.buf is not None
+            page.buf.copy_(data)
+
+    # ------------------------------------------------------------------ reporting
+    def disk_bytes(self) -> int:
+        """Bytes of pages whose only copy is in a spill file."""
+        return sum(p.nbytes for p in self.pages if p.tier == "disk")
+
+    def resident_bytes(self) -> int:
+        """Bytes of pages kept on the device between steps (the streaming window excluded)."""
+        return sum(p.nbytes for p in self.pages if p.tier == "device")
+
+    def close(self) -> None:
+        """Free every page and slot, stop the copy worker and delete the spill files."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            for page in self.pages:
+                page.buf = None
+                page.tier = "closed"
+            self.slots = []
+            self.device_bytes = self.host_bytes = 0
+            self.spill.close()

@@ -1,0 +1,66 @@
+"""One optimizer step as a sweep over pages: resident pages in one batch, the rest streamed.
+
+The sweep starts loading the first streamed pages into the window, updates every resident page
+in one batched call while those loads run, then walks the streamed pages: wait for page *i*,
+update it, write it back, start loading page *i + slots* into the freed slot. Each page is
+marked with the step id once updated, so a sweep that stops part-way (an error, an
+out-of-memory) can be run again for the same step and updates only the pages it had not done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tightfit.paging.layout import Page
+from tightfit.paging.store import PageStore
+
+UpdateFn = Callable[[list[tuple[Page, torch.Tensor]]], None]
+
+
+def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -> None:
+    """Update each page in ``pages`` exactly once for step ``step_id``.
+
+    Args:
+        store: the page store (residency, window slots, copy engine, counters).
+        pages: the pages holding state of params that have a gradient this step.
+        step_id: id of the step; pages already marked with it are skipped.
+        update: called with ``(page, buffer)`` pairs whose buffers are on the device; it
+            updates params and state in place.
+    """
+    todo = [p for p in pages if p.updated_step != step_id]
+    resident = [p for p in todo if p.tier == "device"]
+    streamed = [p for p in todo if p.tier != "device"]
+    if streamed and not store.slots:
+        raise RuntimeError("pages are off the device but the store has no window slots")
+    engine, slots, counters = store.engine, store.slots, store.counters
+    handles: dict[int, object] = {}
+
+    def start_load(i: int) -> None:
+        page = streamed[i]
+        slot = slots[i % len(slots)][: page.nbytes]
+        handles[i] = engine.load(store.home(page), slot)
+        counters.bytes_paged_in += page.nbytes
+        counters.page_faults += 1
+
+    try:
+        for i in range(min(len(slots), len(streamed))):
+            start_load(i)
+        if resident:
+            update([(p, p.buf) for p in resident])  # type: ignore[misc]
+            for p in resident:
+                p.updated_step = step_id
+        for i, page in enumerate(streamed):
+            slot = slots[i % len(slots)][: page.nbytes]
+            counters.stall_seconds += engine.wait(handles.pop(i))
+            update([(page, slot)])
+            page.updated_step = step_id
+            # Only updated pages are written back: a page without gradients is never loaded.
+            engine.store(slot, store.home(page))
+            counters.bytes_paged_out += page.nbytes
+            if i + len(slots) < len(streamed):
+                start_load(i + len(slots))
+    finally:
+        # Write-backs of updated pages must land even when a later page failed.
+        counters.stall_seconds += engine.drain()

@@ -1,0 +1,208 @@
+"""The places pages live and the engines that move bytes between them.
+
+* device: the params' device (``cuda:N``, or the CPU when there is no accelerator);
+* host: CPU RAM, pinned when the device is CUDA (on the CPU, device and host are one place);
+* disk: a memory-mapped spill file per param group under a private folder.
+
+Copies between a page's home (host buffer or spill map) and a device *slot* of the streaming
+window go through a :class:`CopyEngine`: a worker thread for memory copies that touch the
+spill map (page faults block the thread doing the copy, not the update), and on CUDA a side
+stream with events for host↔device, so the update never waits on the host and nothing
+synchronizes per parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+
+def check_spill_dir(spill_dir: str | os.PathLike | None) -> None:
+    """Raise ``ValueError`` now if ``spill_dir`` cannot hold spill files (nothing is kept)."""
+    if spill_dir is None:
+        return
+    path = Path(spill_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"spill_dir={str(path)!r} is a file, not a folder; pass a folder path (it is created "
+            "if missing) or spill_dir=None for a temporary folder"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tightfit-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(
+            f"spill_dir={str(path)!r} cannot be written ({exc.strerror or exc}); pass a writable "
+            "folder or spill_dir=None for a temporary folder"
+        ) from None
+
+
+class SpillArea:
+    """Spill files, one per param group, created on first use and deleted by :meth:`close`.
+
+    Files live in a private folder made inside ``spill_dir`` (or the system temp folder), so
+    closing never touches anything the user put there.
+    """
+
+    def __init__(self, spill_dir: str | os.PathLike | None) -> None:
+        self._parent = None if spill_dir is None else str(spill_dir)
+        self._folder: str | None = None
+        self._sizes: dict[int, int] = {}
+        self._maps: dict[int, torch.Tensor] = {}
+
+    @property
+    def folder(self) -> str | None:
+        """The private folder holding the spill files, once one exists."""
+        return self._folder
+
+    def reserve(self, group: int, nbytes: int) -> None:
+        """Declare the size of a group's spill file (all of its pages, back to back)."""
+        self._sizes[group] = nbytes
+
+    def region(self, group: int, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view of ``nbytes`` of the group's spill file, mapping it on first use."""
+        mapped = self._maps.get(group)
+        if mapped is None:
+            if self._folder is None:
+                self._folder = tempfile.mkdtemp(prefix="tightfit-spill-", dir=self._parent)
+            path = os.path.join(self._folder, f"group{group}.spill")
+            # MAP_SHARED over a sparse file: untouched pages cost no disk and read as zeros.
+            mapped = torch.from_file(path, shared=True, size=self._sizes[group], dtype=torch.uint8)
+            self._maps[group] = mapped
+        return mapped[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap and delete every spill file and the private folder."""
+        self._maps.clear()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+class CopyEngine:
+    """Asynchronous copies between page homes and device slots (CPU version: one worker thread).
+
+    Each slot alternates load → update → store, and one FIFO worker orders every copy, so a
+    slot is never refilled before its previous page was written back.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tightfit-pager")
+        self._pending: list[Future] = []
+
+    def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
+        """Start copying a page's bytes from its home into a device slot; returns a handle."""
+        return self._pool.submit(slot.copy_, home)
+
+    def wait(self, handle: object) -> float:
+        """Make the slot usable by the update; returns the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        handle.result()  # type: ignore[attr-defined]
+        return time.perf_counter() - t0
+
+    def store(self, slot: torch.Tensor, home: torch.Tensor) -> None:
+        """Start writing an updated slot back to the page's home."""
+        self._pending.append(self._pool.submit(home.copy_, slot))
+
+    def drain(self) -> float:
+        """Wait for every write-back (re-raising a failed one); returns seconds blocked."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+        return time.perf_counter() - t0
+
+    def synchronize(self) -> None:
+        """Make all copies visible to the host (before reading homes on the CPU)."""
+        self.drain()
+
+    def close(self) -> None:
+        """Finish outstanding copies and stop the worker."""
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+class CudaCopyEngine(CopyEngine):
+    """CUDA version: host↔device copies on a side stream ordered by events.
+
+    Pinned host homes copy directly on the side stream. Spill-map homes are staged through a
+    pinned buffer per slot by the worker thread (a page fault must not block a stream).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def _stage(self, slot: torch.Tensor) -> torch.Tensor:
+        key = slot.data_ptr()
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < slot.numel():
+            buf = torch.empty(slot.numel(), dtype=torch.uint8, pin_memory=True)
+            self._staging[key] = buf
+        return buf[: slot.numel()]
+
+    def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
+        if home.is_pinned():
+            with torch.cuda.stream(self.stream):
+                slot.copy_(home, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return ("event", event)
+        staging = self._stage(slot)
+        return ("staged", self._pool.submit(staging.copy_, home), staging, slot)
+
+    def wait(self, handle: object) -> float:
+        t0 = time.perf_counter()
+        if handle[0] == "staged":  # type: ignore[index]
+            _, fut, staging, slot = handle  # type: ignore[misc]
+            fut.result()
+            with torch.cuda.stream(self.stream):
+                slot.copy_(staging, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            event = handle[1]  # type: ignore[index]
+        # The compute stream waits on the GPU; the host does not block.
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return time.perf_counter() - t0
+
+    def store(self, slot: torch.Tensor, home: torch.Tensor) -> None:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(done)
+        if home.is_pinned():
+            with torch.cuda.stream(self.stream):
+                home.copy_(slot, non_blocking=True)
+            return
+        staging = self._stage(slot)
+        with torch.cuda.stream(self.stream):
+            staging.copy_(slot, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+
+        def write() -> None:
+            copied.synchronize()
+            home.copy_(staging)
+
+        self._pending.append(self._pool.submit(write))
+
+    def drain(self) -> float:
+        # Only host-side writes need waiting for; stream-ordered copies stay asynchronous.
+        return super().drain()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        super().drain()
+        torch.cuda.current_stream(self.device).synchronize()

@@ -1,0 +1,176 @@
+"""Measure what each QLoRA memory piece costs, from the real tensors of a prepared model.
+
+Every figure here is counted from tensors that exist (``nbytes`` of the packed 4-bit weights,
+of the absmax constants and their nested quantization, of the LoRA parameters and their
+gradients) or measured with :class:`~tightfit.memory.tracker.MemoryTracker` on a real batch.
+The "without" side of a piece is the same tensors in their unreduced form: bf16 weights of the
+same shapes, the fp32 absmax that double quantization replaced (dequantized back from the
+nested constants), every parameter trainable, no checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import bitsandbytes.functional as bnbF
+import torch
+from torch import nn
+
+from tightfit.memory.tracker import MemoryTracker
+from tightfit.qlora.quantize import linear4bit_layers
+
+BF16_BYTES = 2
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """4-bit base weights: how many parameters, their packed bytes and their bf16 bytes."""
+
+    numel: int
+    packed_bytes: int
+    bf16_bytes: int
+
+
+@dataclass(frozen=True)
+class ConstantBytes:
+    """Quantization constants with and without double quantization.
+
+    ``single_bytes`` is one fp32 absmax per block; ``double_bytes`` is the 8-bit absmax plus
+    the fp32 second-level absmax and offset. ``code_bytes`` are the lookup tables of the
+    nested quantization (256 values each; a constant table, not per-block data), kept apart.
+    """
+
+    numel: int
+    single_bytes: int
+    double_bytes: int
+    code_bytes: int
+
+    @property
+    def single_bits_per_param(self) -> float:
+        return 8 * self.single_bytes / max(self.numel, 1)
+
+    @property
+    def double_bits_per_param(self) -> float:
+        return 8 * self.double_bytes / max(self.numel, 1)
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """Count the 4-bit linear layers' parameters and bytes."""
+    numel = packed = 0
+    for _, layer in linear4bit_layers(model):
+        w = layer.weight
+        n = int(torch.Size(w.quant_state.shape).numel()) if w.quant_state is not None else w.numel()
+        numel += n
+        packed += w.untyped_storage().nbytes()
+    return WeightBytes(numel, packed, numel * BF16_BYTES)
+
+
+def constant_bytes(model: nn.Module) -> ConstantBytes:
+    """Count the quantization constants of every 4-bit layer, with and without DQ.
+
+    When the model uses double quantization, the fp32 absmax it replaced is rebuilt with
+    bitsandbytes' own dequantization (and counted); when it does not, the nested form is
+    built with bitsandbytes' own ``quantize_blockwise`` (blocks of 256, as ``Params4bit``
+    does) and counted. Either way both columns come from real tensors.
+    """
+    numel = single = double = code = 0
+    seen_codes: set[int] = set()
+    for _, layer in linear4bit_layers(model):
+        qs = layer.weight.quant_state
+        numel += int(torch.Size(qs.shape).numel())
+        if qs.nested:
+            fp32_absmax = bnbF.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+            nested_absmax, state2, offset = qs.absmax, qs.state2, qs.offset
+        else:
+            fp32_absmax = qs.absmax
+            offset = fp32_absmax.mean()
+            nested_absmax, state2 = bnbF.quantize_blockwise(fp32_absmax - offset, blocksize=256)
+        single += fp32_absmax.nbytes
+        double += nested_absmax.nbytes + state2.absmax.nbytes + torch.as_tensor(offset).nbytes
+        ptr = state2.code.data_ptr()
+        if ptr not in seen_codes:  # shared tables count once
+            seen_codes.add(ptr)
+            code += state2.code.nbytes
+    return ConstantBytes(numel, single, double, code)
+
+
+def lora_parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(numel, bytes)`` of the trainable parameters."""
+    ps = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() for p in ps), sum(p.nbytes for p in ps)
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients that exist now."""
+    return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+
+
+def frozen_other_bytes(model: nn.Module) -> int:
+    """Bytes of frozen parameters that are not 4-bit weights (embeddings, norms, head)."""
+    return sum(
+        p.nbytes
+        for p in model.parameters()
+        if not p.requires_grad and not isinstance(p, _params4bit_type())
+    )
+
+
+def _params4bit_type() -> type:
+    import bitsandbytes as bnb
+
+    return bnb.nn.Params4bit
+
+
+@contextlib.contextmanager
+def memory_pieces_off(model: nn.Module) -> Iterator[None]:
+    """Temporarily take the checkpoint plan and the chunked loss off ``model``."""
+    from tightfit.checkpoint import apply as ckpt_apply
+    from tightfit.checkpoint.blocks import resolve_blocks
+
+    plan = ckpt_apply.uninstall(model) if ckpt_apply.is_enabled(model) else None
+    chunk_state = _chunked_loss_off(model)
+    try:
+        yield
+    finally:
+        if plan is not None:
+            ckpt_apply.install(model, resolve_blocks(model, None), plan)
+        _chunked_loss_on(model, chunk_state)
+
+
+def _chunked_loss_off(model: nn.Module) -> Any:
+    try:
+        from tightfit.loss import disable_chunked_loss
+    except ImportError:
+        return None
+    return disable_chunked_loss(model)
+
+
+def _chunked_loss_on(model: nn.Module, state: Any) -> None:
+    if state is None:
+        return
+    from tightfit.loss import enable_chunked_loss
+
+    chunk = getattr(state, "chunk_tokens", state)
+    enable_chunked_loss(model, chunk_tokens=chunk)
+
+
+def step_activation_peak(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """Peak bytes one forward + backward allocates on ``batch``, and the gradient bytes left.
+
+    Gradients are cleared first and after, and the RNG is forked, so measuring leaves the
+    model and the training run exactly as they were.
+    """
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    rng_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), MemoryTracker(device) as mt:
+        out = model(**batch)
+        mt.mark("backward")
+        out.loss.backward()
+        del out
+    grads = grad_bytes(model)
+    model.zero_grad(set_to_none=True)
+    return mt.peak_bytes, grads

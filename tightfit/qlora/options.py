@@ -1,0 +1,121 @@
+"""Typed options for :func:`tightfit.prepare`: one definition feeds the API, the CLI and the docs.
+
+Every field carries its help text in ``metadata["help"]``; ``tightfit train`` builds its
+``--lora-r``/``--quant``/... flags from these dataclasses, so the two can never drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+QuantKind = Literal["nf4", "fp4"]
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA adapters (peft) on the frozen base."""
+
+    r: int = field(default=8, metadata={"help": "LoRA rank"})
+    alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    target_modules: str | tuple[str, ...] = field(
+        default="all-linear",
+        metadata={
+            "help": "comma-separated module-name suffixes to adapt, or 'all-linear' "
+            "(every linear layer except the output head)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {self.r}; pass e.g. r=8.")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}; pass e.g. alpha=16.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}.")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            parts = tuple(s.strip() for s in self.target_modules.split(",") if s.strip())
+            object.__setattr__(self, "target_modules", parts)
+        if not self.target_modules:
+            raise ValueError("LoRA target_modules is empty; pass 'all-linear' or module names.")
+
+    @classmethod
+    def coerce(cls, value: LoraOptions | Mapping[str, Any] | None) -> LoraOptions | None:
+        """Accept ``None``, a :class:`LoraOptions` or a dict of its fields."""
+        if value is None or isinstance(value, LoraOptions):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise TypeError(
+                    f"unknown LoRA option(s) {unknown}; valid keys are {sorted(known)}."
+                )
+            kw = dict(value)
+            if isinstance(kw.get("target_modules"), Sequence) and not isinstance(
+                kw["target_modules"], str
+            ):
+                kw["target_modules"] = tuple(kw["target_modules"])
+            return cls(**kw)
+        raise TypeError(f"lora must be a dict, LoraOptions or None, got {type(value).__name__}.")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How :func:`tightfit.prepare` stacks the memory pieces on a causal LM."""
+
+    quant: QuantKind | None = field(
+        default="nf4", metadata={"help": "4-bit base weights (bitsandbytes): nf4, fp4 or none"}
+    )
+    double_quant: bool = field(
+        default=True,
+        metadata={"help": "quantize the quantization constants too (about 0.5 -> 0.127 bits/param)"},
+    )
+    blocksize: int = field(default=64, metadata={"help": "4-bit quantization block size"})
+    compute_dtype: DtypeName = field(
+        default="auto",
+        metadata={"help": "dtype of the matmuls: auto = bfloat16 on CUDA, float32 on the CPU"},
+    )
+    checkpoint: str | None = field(
+        default="budget",
+        metadata={
+            "help": "gradient-checkpoint policy: budget, none, every, sqrt, uniform:K, selective"
+        },
+    )
+    checkpoint_budget: int | None = field(
+        default=None,
+        metadata={"help": "activation budget in bytes for the 'budget' policy (default: planner's)"},
+    )
+    loss_chunks: int | Literal["auto"] | None = field(
+        default="auto",
+        metadata={"help": "tokens per chunk of the LM head + loss: auto, an integer, or none"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.quant not in (None, "nf4", "fp4"):
+            raise ValueError(f"quant must be 'nf4', 'fp4' or None, got {self.quant!r}.")
+        if self.compute_dtype not in ("auto", *_DTYPES):
+            raise ValueError(
+                f"compute_dtype must be one of auto/float32/bfloat16/float16, "
+                f"got {self.compute_dtype!r}."
+            )
+        if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+            raise ValueError(f"blocksize must be a power of two in 32..4096, got {self.blocksize}.")
+        if self.checkpoint_budget is not None and self.checkpoint_budget <= 0:
+            raise ValueError(
+                f"checkpoint_budget must be a positive number of bytes, got {self.checkpoint_budget}."
+            )
+        if isinstance(self.loss_chunks, int) and self.loss_chunks < 1:
+            raise ValueError(f"loss_chunks must be >= 1 tokens or 'auto', got {self.loss_chunks}.")
+
+    def torch_compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The compute dtype as a torch dtype, ``auto`` resolved for ``device``."""
+        if self.compute_dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.compute_dtype]

@@ -1,0 +1,293 @@
+"""``tightfit.prepare``: stack NF4 + double quant, LoRA, a checkpoint plan and chunked loss.
+
+Order matters and is fixed here so that every caller gets the same stack:
+
+1. load (a local HF causal-LM folder) or take the model; check every option against it
+   *before* anything changes (LoRA targets that match nothing, an unknown policy, ...);
+2. freeze the base and swap its linear layers for bitsandbytes ``Linear4bit`` (NF4 + DQ);
+3. wrap with peft LoRA adapters (all linear layers except the output head by default);
+4. install the checkpoint plan (tightfit's planner) around the decoder blocks;
+5. compute the LM head + loss in chunks (tightfit.loss) so full logits never exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit.qlora.options import LoraOptions, PrepareOptions
+from tightfit.qlora.quantize import _output_head_names, quantize_linears
+
+
+@dataclass
+class PrepareInfo:
+    """What :func:`prepare` did, kept on the model as ``model.tightfit_info``.
+
+    Attributes:
+        options: The options used.
+        lora: The LoRA options used (``None``: no adapters).
+        device: Where the model lives.
+        compute_dtype: Dtype of the matmuls and of the unquantized weights.
+        quantized: Qualified names of the layers now in 4 bits.
+        lora_targets: Qualified names of the layers that got adapters.
+        base_numel: Parameters of the base model before any change (what full fine-tuning
+            would train).
+        plan: The installed checkpoint plan (``None`` when checkpointing is off).
+        loss_chunks: Tokens per loss chunk actually installed (``None``: unchunked).
+        notes: Anything the caller should know (a fallback taken, a piece skipped).
+    """
+
+    options: PrepareOptions
+    lora: LoraOptions | None
+    device: torch.device
+    compute_dtype: torch.dtype
+    quantized: list[str] = field(default_factory=list)
+    lora_targets: list[str] = field(default_factory=list)
+    base_numel: int = 0
+    plan: Any = None
+    loss_chunks: int | str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a causal LM from a local Hugging Face folder, with errors that say what to fix.
+
+    Args:
+        path: A folder holding ``config.json`` and the weights (nothing is downloaded).
+        dtype: Dtype to load the weights in (default: the checkpoint's).
+
+    Raises:
+        FileNotFoundError: The folder or its ``config.json`` is missing.
+        ValueError: The folder holds a model that is not a causal language model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model folder {str(folder)!r} does not exist; pass a local Hugging Face model "
+            "folder (with config.json and weights) or omit --model for the built-in model."
+        )
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no config.json, so it is not a Hugging Face model folder; "
+            "save one with model.save_pretrained(folder)."
+        )
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{str(folder)!r} holds a {config.model_type!r} model, which is not a causal language "
+            "model; pass a folder of a decoder model (Llama, Qwen2, GPT-2, ...)."
+        )
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+
+
+def _lora_target_names(model: nn.Module, lora: LoraOptions) -> list[str]:
+    """Names of the linear layers the LoRA options select (checked before any change)."""
+    heads = _output_head_names(model)
+    linears = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n not in heads and not n.endswith("lm_head")
+    ]
+    if lora.target_modules == "all-linear":
+        names = linears
+    else:
+        wanted = tuple(lora.target_modules)
+        names = [n for n in linears if n.split(".")[-1] in wanted or n in wanted]
+    if not names:
+        sample = sorted({n.split(".")[-1] for n in linears})[:12]
+        raise ValueError(
+            f"LoRA target_modules {lora.target_modules!r} match no linear layer of the model; "
+            f"its linear layers are named {sample}; pass some of these or 'all-linear'."
+        )
+    return names
+
+
+def _auto_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def prepare(
+    model_or_path: nn.Module | str | os.PathLike[str],
+    *,
+    quant: str | None = "nf4",
+    double_quant: bool = True,
+    blocksize: int = 64,
+    compute_dtype: str = "auto",
+    lora: LoraOptions | Mapping[str, Any] | None = None,
+    checkpoint: str | None = "budget",
+    checkpoint_budget: int | None = None,
+    loss_chunks: int | str | None = "auto",
+    example: Mapping[str, Any] | torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    options: PrepareOptions | None = None,
+) -> nn.Module:
+    """Stack the QLoRA memory pieces on a causal LM and return the model to train.
+
+    Args:
+        model_or_path: An ``nn.Module`` (an HF causal LM) or a local HF model folder.
+        quant: ``"nf4"`` / ``"fp4"`` 4-bit base weights (bitsandbytes), or ``None``.
+        double_quant: Quantize the quantization constants as well.
+        blocksize: Weights per quantization block.
+        compute_dtype: ``"auto"`` (bfloat16 on CUDA, float32 on the CPU) or a dtype name.
+        lora: LoRA options (a dict or :class:`LoraOptions`); ``None`` defaults to
+            ``LoraOptions()``; pass ``False`` for no adapters (then nothing is trainable
+            unless ``quant`` is ``None``).
+        checkpoint: Checkpoint policy for tightfit's planner (``"budget"``, ``"none"``,
+            ``"every"``, ``"sqrt"``, ``"uniform:k"``, ``"selective"``) or ``None``.
+        checkpoint_budget: Bytes of activations the ``"budget"`` policy may use; when
+            ``None``, half of what the model needs with no checkpointing (measured on
+            ``example``).
+        loss_chunks: Tokens per chunk of the LM head + loss, ``"auto"`` or ``None``.
+        example: A batch as the model is called with it (``{"input_ids": ..., "labels": ...}``);
+            the planner profiles it. Without one, ``"budget"`` falls back to ``"sqrt"``.
+        device: Where to put the model (default: CUDA when available, else the CPU).
+        options: A full :class:`PrepareOptions`, overriding the keyword arguments above.
+
+    Returns:
+        The prepared model (a peft model when LoRA is on), with ``model.tightfit_info``.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad options or model, before any change.
+    """
+    if options is None:
+        options = PrepareOptions(
+            quant=quant,  # type: ignore[arg-type]
+            double_quant=double_quant,
+            blocksize=blocksize,
+            compute_dtype=compute_dtype,  # type: ignore[arg-type]
+            checkpoint=checkpoint,
+            checkpoint_budget=checkpoint_budget,
+            loss_chunks=loss_chunks,  # type: ignore[arg-type]
+        )
+    lora_opts = None if lora is False else (LoraOptions.coerce(lora) or LoraOptions())
+    dev = _auto_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'.")
+    if options.checkpoint not in (None, "none"):
+        from tightfit.checkpoint.plan import parse_policy
+
+        parse_policy(options.checkpoint)  # raises ValueError naming the valid policies
+    cdtype = options.torch_compute_dtype(dev)
+
+    if isinstance(model_or_path, (str, os.PathLike)):
+        model = load_causal_lm(model_or_path)
+    elif isinstance(model_or_path, nn.Module):
+        model = model_or_path
+    else:
+        raise TypeError(
+            f"prepare() takes an nn.Module or a model folder path, got "
+            f"{type(model_or_path).__name__}."
+        )
+    targets = _lora_target_names(model, lora_opts) if lora_opts is not None else []
+    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets)
+    info.base_numel = sum(p.numel() for p in model.parameters())
+
+    # -- 2. frozen base, 4-bit linears ------------------------------------------------
+    for p in model.parameters():
+        p.requires_grad_(lora_opts is None and options.quant is None)
+    if options.quant is not None:
+        info.quantized = quantize_linears(
+            model,
+            quant_type=options.quant,
+            double_quant=options.double_quant,
+            compute_dtype=cdtype,
+            blocksize=options.blocksize,
+            device=dev,
+        )
+    # The unquantized rest (embeddings, norms, head) in the compute dtype, on the device.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != cdtype:
+            p.data = p.data.to(cdtype)
+    model.to(dev)
+
+    # -- 3. LoRA ----------------------------------------------------------------------
+    if lora_opts is not None:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(
+            r=lora_opts.r,
+            lora_alpha=lora_opts.alpha,
+            lora_dropout=lora_opts.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, cfg)
+        # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice).
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+
+    # -- 4. checkpoint plan -------------------------------------------------------------
+    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
+
+    # -- 5. chunked LM head + loss ----------------------------------------------------------
+    info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
+    model.tightfit_info = info  # type: ignore[assignment]
+    return model
+
+
+def _move_example(example: Any, dev: torch.device) -> Any:
+    if isinstance(example, torch.Tensor):
+        return example.to(dev)
+    if isinstance(example, Mapping):
+        return {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in example.items()}
+    return example
+
+
+def _apply_checkpoint(
+    model: nn.Module,
+    options: PrepareOptions,
+    example: Any,
+    dev: torch.device,
+    notes: list[str],
+) -> Any:
+    policy = options.checkpoint
+    if policy in (None, "none"):
+        return None
+    from tightfit import checkpoint as ckpt
+
+    example = _move_example(example, dev)
+    if example is not None and isinstance(example, Mapping) and "labels" not in example:
+        example = {**example, "labels": example["input_ids"]}
+    if policy == "budget":
+        if example is None:
+            notes.append("checkpoint='budget' needs an example batch; used 'sqrt' instead.")
+            return ckpt.enable(model, "sqrt")
+        budget = options.checkpoint_budget
+        if budget is None:
+            # No budget given: ask for half of what no checkpointing would need, so that the
+            # plan has something to save and the report shows the trade.
+            none_plan = ckpt.enable(model, "none", example=example)
+            ckpt.disable(model)
+            budget = max(1, int(none_plan.predicted_peak_bytes) // 2)
+            notes.append(
+                f"checkpoint budget: half of the no-checkpointing prediction "
+                f"({budget / 2**20:.1f} MiB)"
+            )
+        return ckpt.enable(model, "budget", budget=budget, example=example)
+    return ckpt.enable(model, policy, example=example)
+
+
+def _apply_loss_chunks(model: nn.Module, chunks: int | str | None, notes: list[str]) -> Any:
+    if chunks is None:
+        return None
+    try:
+        from tightfit.loss import enable_chunked_loss
+    except ImportError:
+        notes.append("chunked loss not available in this build; the LM head runs unchunked.")
+        return None
+    out = enable_chunked_loss(model, chunk_tokens=chunks)
+    return getattr(out, "chunk_tokens", chunks)
+

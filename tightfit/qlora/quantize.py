@@ -1,0 +1,89 @@
+"""Swap a model's linear layers for bitsandbytes 4-bit ``Linear4bit`` (NF4/FP4, double quant).
+
+bitsandbytes does the math (blockwise quantization, the nested quantization of the absmax
+constants, the dequantize-matmul); this module only decides which layers and moves weights.
+``Params4bit`` quantizes when it is moved to a device, on the CPU as well as on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+
+
+def _output_head_names(model: nn.Module) -> set[str]:
+    """Qualified names of the output head (tied or not): it stays in full precision."""
+    names = {"lm_head"}
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is not None:
+        names |= {n for n, m in model.named_modules() if m is head}
+    return names
+
+
+def quantize_linears(
+    model: nn.Module,
+    *,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+    blocksize: int = 64,
+    device: torch.device | str = "cpu",
+) -> list[str]:
+    """Replace every ``nn.Linear`` except the output head with a quantized ``Linear4bit``.
+
+    Args:
+        model: Model to change in place.
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        double_quant: Quantize the per-block absmax constants (bitsandbytes' ``compress_statistics``).
+        compute_dtype: Dtype the layer dequantizes to for its matmul.
+        blocksize: Weights per quantization block.
+        device: Where the quantized weights live.
+
+    Returns:
+        The qualified names of the replaced layers.
+    """
+    device = torch.device(device)
+    skip = _output_head_names(model)
+    replaced: list[str] = []
+    for qual, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            full = f"{qual}.{name}" if qual else name
+            if not isinstance(child, nn.Linear) or full in skip or name == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=double_quant,
+                quant_type=quant_type,
+                quant_storage=torch.uint8,
+                device="meta",
+            )
+            # Quantization happens on the move to `device` (CPU or CUDA alike).
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data.to(torch.float32).contiguous(),
+                requires_grad=False,
+                compress_statistics=double_quant,
+                quant_type=quant_type,
+                blocksize=blocksize,
+                quant_storage=torch.uint8,
+            ).to(device)
+            if child.bias is not None:
+                q.bias = nn.Parameter(
+                    child.bias.data.to(device, compute_dtype), requires_grad=False
+                )
+            setattr(module, name, q)
+            replaced.append(full)
+    return replaced
+
+
+def linear4bit_layers(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit]]:
+    """Yield ``(name, layer)`` for every bitsandbytes 4-bit linear layer in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            yield name, module

@@ -1,0 +1,81 @@
+"""Wrap a model for data parallelism: FSDP2 (sharded) or DDP (replicated).
+
+FSDP2 is applied torchtitan-style: ``fully_shard`` on every transformer block, then on the root,
+so each block's parameters are gathered just before it runs and freed after. Blocks are found
+through Hugging Face's ``_no_split_modules`` (the block class names every HF model declares),
+falling back to the children of the model's largest ``nn.ModuleList``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+Strategy = Literal["fsdp", "ddp"]
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (decoder layers), in order.
+
+    Raises:
+        ValueError: if no block class or ``nn.ModuleList`` can be found.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(
+            f"{type(model).__name__} has no _no_split_modules and no nn.ModuleList of blocks; "
+            "pass blocks= explicitly to shard_model"
+        )
+    return list(max(lists, key=len))
+
+
+def shard_model(
+    model: nn.Module,
+    strategy: Strategy,
+    *,
+    blocks: list[nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Make ``model`` data-parallel over the default process group.
+
+    Args:
+        model: the model, already on this rank's device, identical on every rank.
+        strategy: ``"fsdp"``: FSDP2, parameters become DTensors sharded on dim 0 (in place;
+            the same module is returned). ``"ddp"``: ``DistributedDataParallel`` replicas
+            (a wrapper is returned; its ``.module`` is ``model``).
+        blocks: modules to shard one by one under FSDP2; found by :func:`find_blocks` if None.
+        reshard_after_forward: FSDP2: free gathered block params after forward (ZeRO-3) or
+            keep them to backward (ZeRO-2, more memory, less communication).
+
+    Returns:
+        The module to train and to hand to DCP's state-dict helpers.
+
+    Raises:
+        ValueError: on an unknown strategy or without an initialized process group.
+    """
+    if strategy not in ("fsdp", "ddp"):
+        raise ValueError(f"strategy={strategy!r} is not one of 'fsdp', 'ddp'")
+    if not torch.distributed.is_initialized():
+        raise ValueError(
+            "no process group: launch with torchrun and call "
+            "tightfit.distributed.launch.init_from_env() first"
+        )
+    device = next(model.parameters()).device
+    if strategy == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    for block in blocks if blocks is not None else find_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model

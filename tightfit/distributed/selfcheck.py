@@ -1,0 +1,189 @@
+"""Check that a paged optimizer trains a sharded model exactly like torch's AdamW.
+
+Run it under torchrun (``--nproc_per_node N``; CPU/gloo or CUDA/NCCL)::
+
+    torchrun --nproc_per_node 2 -m tightfit.distributed.selfcheck --strategy fsdp --out /tmp/sc
+
+Every rank builds the same tiny Llama-architecture model, wraps it (FSDP2 or DDP), and trains it
+on its slice of each global batch with the chosen optimizer (PagedAdamW under a budget that
+forces paging, by default). Along the way it saves a DCP checkpoint after ``--save-at`` steps,
+then resumes a fresh model + optimizer from that checkpoint and finishes the run again. Rank 0
+also trains an unsharded copy with ``torch.optim.AdamW`` on the whole global batch: the
+reference. It writes ``final``/``resumed``/``reference`` parameters (``.pt``) and a JSON report
+with per-rank optimizer stats to ``--out`` and exits 1 if any run strays beyond ``--tol``.
+``--resume-only`` resumes an existing checkpoint on however many ranks it is launched with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from tightfit.distributed import dcp, launch
+from tightfit.distributed.parallelize import shard_model
+
+
+@dataclass
+class CheckOptions:
+    """What to run; every field is a command-line flag of the same name."""
+
+    out: str
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    optim: Literal["paged", "torch"] = "paged"
+    steps: int = 6
+    save_at: int = 3
+    batch: int = 4  # global batch (rows); must divide by the number of ranks
+    seq: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    page_bytes: int = 4096
+    device_budget: int = 16384  # per rank; a fraction of the state so that pages move
+    tol: float = 1e-5
+    resume_only: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+def tiny_llama(seed: int, device: torch.device) -> nn.Module:
+    """A 2-layer Llama-architecture model; vocab 67 makes FSDP2's dim-0 shards uneven."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def global_batch(opts: CheckOptions, step: int, device: torch.device) -> torch.Tensor:
+    """Token ids of one global batch; a function of (seed, step) so a resume can redo it."""
+    gen = torch.Generator().manual_seed(opts.seed * 100_003 + step)
+    return torch.randint(0, 67, (opts.batch, opts.seq), generator=gen).to(device)
+
+
+def make_optimizer(opts: CheckOptions, model: nn.Module, rank: int) -> torch.optim.Optimizer:
+    """The optimizer under test, on ``model``'s (possibly DTensor) parameters."""
+    if opts.optim == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
+    from tightfit.optim import PagedAdamW
+
+    return PagedAdamW(
+        model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay,
+        page_bytes=opts.page_bytes, device_budget=opts.device_budget,
+        spill_dir=os.path.join(opts.out, f"spill-rank{rank}"),
+    )  # fmt: skip
+
+
+def train(opts, model, optimizer, info, start: int, stop: int) -> None:
+    """Steps ``start..stop-1``: each rank's rows of the global batch, mean token loss."""
+    per = opts.batch // info.world_size
+    for step in range(start, stop):
+        ids = global_batch(opts, step, info.device)[info.rank * per : (info.rank + 1) * per]
+        # Equal token counts on every rank, so the mean of rank means is the global mean.
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters on the CPU (rank 0 only; other ranks get ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=sd_opts).items()}
+
+
+def stats_of(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's own per-rank figures (``memory_stats()``), if it has them."""
+    fn = getattr(optimizer, "memory_stats", None)
+    return dict(fn()) if fn is not None else {}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over all parameters (keys must match)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:5]}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _build(opts, info):
+    model = shard_model(tiny_llama(opts.seed, info.device), opts.strategy)
+    return model, make_optimizer(opts, model, info.rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; returns 0 when every comparison is within ``--tol``."""
+    parser = argparse.ArgumentParser(prog="tightfit.distributed.selfcheck")
+    for name, default in asdict(CheckOptions(out="")).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(default), default=default, required=name == "out")
+    opts = CheckOptions(**vars(parser.parse_args(argv)))
+    if not 0 < opts.save_at < opts.steps:
+        raise ValueError(f"--save-at {opts.save_at} must lie in 1..{opts.steps - 1} (--steps)")
+    info = launch.init_from_env(device=opts.device)
+    if opts.batch % info.world_size:
+        raise ValueError(f"--batch {opts.batch} must divide by the {info.world_size} ranks")
+    if not info.distributed:
+        raise ValueError("launch with torchrun (even --nproc_per_node 1): shard_model needs it")
+    os.makedirs(opts.out, exist_ok=True)
+    ckpt = os.path.join(opts.out, "ckpt")
+    tag = f"w{info.world_size}"
+    report: dict = {"options": asdict(opts), "world_size": info.world_size}
+
+    if not opts.resume_only:
+        model, optimizer = _build(opts, info)
+        train(opts, model, optimizer, info, 0, opts.save_at)
+        dcp.save(ckpt, model, optimizer, extra={"step": opts.save_at})
+        train(opts, model, optimizer, info, opts.save_at, opts.steps)
+        final = full_params(model)
+        report["stats_final"] = launch.gather_objects(stats_of(optimizer))
+        getattr(optimizer, "close", lambda: None)()
+        if info.is_main:
+            torch.save(final, os.path.join(opts.out, f"final_{tag}.pt"))
+
+    model, optimizer = _build(opts, info)
+    extra = dcp.load(ckpt, model, optimizer)
+    report["stats_after_load"] = launch.gather_objects(stats_of(optimizer))
+    train(opts, model, optimizer, info, int(extra["step"]), opts.steps)
+    resumed = full_params(model)
+    report["stats_resumed"] = launch.gather_objects(stats_of(optimizer))
+    getattr(optimizer, "close", lambda: None)()
+
+    ok = True
+    if info.is_main:
+        torch.save(resumed, os.path.join(opts.out, f"resumed_{tag}.pt"))
+        ref_model = tiny_llama(opts.seed, info.device)
+        ref_opt = torch.optim.AdamW(
+            ref_model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay
+        )
+        one = launch.DistInfo(device=info.device)
+        train(opts, ref_model, ref_opt, one, 0, opts.steps)
+        reference = {k: v.detach().cpu() for k, v in ref_model.state_dict().items()}
+        torch.save(reference, os.path.join(opts.out, "reference.pt"))
+        report["max_diff_resumed"] = max_diff(resumed, reference)
+        if not opts.resume_only:
+            report["max_diff_final"] = max_diff(final, reference)
+        diffs = {k: v for k, v in report.items() if k.startswith("max_diff")}
+        ok = all(v <= opts.tol for v in diffs.values())
+        with open(os.path.join(opts.out, f"report_{tag}.json"), "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"selfcheck {opts.strategy}/{opts.optim} on {info.world_size} rank(s): "
+              f"{diffs} tol={opts.tol} -> {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    launch.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,6 +93,16 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The state arrays a param group needs."""
         raise NotImplementedError
 
+    def _param_specs(self, group: dict[str, Any], param: torch.Tensor) -> list[StateSpec]:
+        """The state arrays of one param (default: the group's :meth:`_state_specs`).
+
+        A layout may give some params other arrays (bitsandbytes-style 8-bit optimizers keep
+        params under 4,096 elements in 32 bit) or none at all (no pages; the subclass then
+        updates those params itself). Pages never mix layouts, and ``_update`` is called per
+        layout, so its ``states`` lists stay parallel.
+        """
+        return self._state_specs(group)
+
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` for bad hyperparameters in ``group``."""
 
@@ -166,22 +176,28 @@ class PagedOptimizer(torch.optim.Optimizer):
                     "building the optimizer (pages map flat element ranges)"
                 )
         self._check_group(merged)
-        specs = self._state_specs(merged)
+        # Params may need different state arrays (an 8-bit layout keeps small params in 32
+        # bit): one run of pages per distinct layout; a layout without arrays gets no pages.
+        layouts = [tuple(self._param_specs(merged, p)) for p in group["params"]]
         n_before = len(self.param_groups)
         super().add_param_group(group)
         if len(self.param_groups) == n_before:  # pragma: no cover - torch raised instead
             return
         g = len(self.param_groups) - 1
         pg = self.param_groups[g]
-        pages = build_pages(
-            g,
-            [p.numel() for p in pg["params"]],
-            [p.dtype for p in pg["params"]],
-            specs,
-            self.unit,
-            self._page_bytes,
-            first_index=len(self._store.pages),
-        )
+        pages: list[Page] = []
+        for layout in dict.fromkeys(layouts):
+            if not layout:
+                continue
+            pages += build_pages(
+                g,
+                [p.numel() if k == layout else 0 for p, k in zip(pg["params"], layouts)],
+                [p.dtype for p in pg["params"]],
+                list(layout),
+                self.unit,
+                self._page_bytes,
+                first_index=len(self._store.pages) + len(pages),
+            )
         self._group_pages.append(pages)
         self._store.add_pages(pages)
 
@@ -245,10 +261,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pending_step = None
 
     def _update_pages(self, items: list[tuple[Page, torch.Tensor]]) -> None:
-        buckets: dict[tuple[int, torch.dtype], list[tuple[Page, torch.Tensor]]] = {}
-        for page, buf in items:
-            buckets.setdefault((page.group, page.dtype), []).append((page, buf))
-        for (gi, dtype), bucket in buckets.items():
+        buckets: dict[tuple[int, torch.dtype, tuple], list[tuple[Page, torch.Tensor]]] = {}
+        for page, buf in items:  # one bucket per group, param dtype and layout
+            buckets.setdefault((page.group, page.dtype, tuple(page.arrays)), []).append((page, buf))
+        for (gi, dtype, _layout), bucket in buckets.items():
             group = self.param_groups[gi]
             params, grads, steps = [], [], []
             states: dict[str, list[torch.Tensor]] = {}

@@ -65,18 +65,31 @@ def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     Returns:
         A DTensor with ``param``'s mesh, placements, global shape and stride when ``param`` is a
-        DTensor (no communication: the layout is copied, not checked); ``local`` otherwise.
+        DTensor (no communication: the layout is copied, not checked; ``local`` stays on its
+        device, e.g. host RAM for a CUDA mesh); ``local`` itself otherwise.
     """
     if not is_dtensor(param):
         return local
-    return DTensor.from_local(
-        local,
+    if local.device.type == param.device_mesh.device_type:
+        return DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    # A state dict gathered to host RAM must stay there: from_local would copy it to the mesh's
+    # device (all of a rank's optimizer state on the GPU at once). Build the DTensor on the
+    # host-side local tensor as FSDP2's CPU offload does; DCP saves and loads such DTensors.
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(
         param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+        tuple(param.placements),
+        tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype),
     )
+    return DTensor(local, spec, requires_grad=False)
 
 
 def local_state(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def make_optimizer(opts: CheckOptions, model: nn.Module, rank: int) -> torch.opt
     """The optimizer under test, on ``model``'s (possibly DTensor) parameters."""
     if opts.optim == "torch":
         return torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
-    from tightfit.optim import PagedAdamW
+    from tightfit.optim.adamw import PagedAdamW
 
     return PagedAdamW(
         model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tightfit.distributed.dtensor import is_dtensor, like_param, local_state, local_tensor
+
 if TYPE_CHECKING:
     from tightfit.optim.base import PagedOptimizer
 
@@ -27,7 +29,12 @@ def _params(opt: PagedOptimizer) -> list[torch.Tensor]:
 
 
 def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
-    """Gather the pages into a torch-format state dict (CPU tensors, fp32 state)."""
+    """Gather the pages into a torch-format state dict (CPU tensors, fp32 state).
+
+    For a DTensor (FSDP2) param the pages hold its local shard's state; each state tensor is
+    returned as a DTensor with the param's placements, as torch's optimizers do, so DCP's
+    ``get_optimizer_state_dict`` and ``dcp.save`` see the sharded layout.
+    """
     sd = torch.optim.Optimizer.state_dict(opt)  # param_groups + per-param "step"
     index = {id(p): i for i, p in enumerate(_params(opt))}
     full: dict[int, dict[str, torch.Tensor]] = {}
@@ -43,7 +50,9 @@ def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
             values = opt._export_segment(group, {n: vs[k] for n, vs in data.items()})
             slot = full.setdefault(index[id(p)], {})
             for name, v in values.items():
-                dst = slot.setdefault(name, torch.empty(p.numel(), dtype=torch.float32))
+                dst = slot.setdefault(
+                    name, torch.empty(local_tensor(p).numel(), dtype=torch.float32)
+                )
                 dst[seg.start : seg.start + seg.length] = v[: seg.length]
     for i, p in enumerate(_params(opt)):
         if i not in full:
@@ -51,7 +60,7 @@ def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
         entry = sd["state"][i]
         entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
         for name, flat in full[i].items():
-            entry[name] = flat.view(p.shape)
+            entry[name] = like_param(flat.view(local_tensor(p).shape), p)
     return sd
 
 
@@ -104,13 +113,18 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
                 f"state of param {key} lacks {missing}; load a state dict of the same optimizer "
                 "type (torch AdamW/Adam for PagedAdamW/PagedAdam)"
             )
+        # DTensor state (from set_optimizer_state_dict, resharded by DCP) -> this rank's shard
+        entry = {
+            k: local_state(v, p) if k in names and is_dtensor(v) else v for k, v in entry.items()
+        }
+        lp = local_tensor(p)
         for n in names:
             t = entry[n]
-            if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
+            if not isinstance(t, torch.Tensor) or t.numel() != lp.numel():
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"state {n!r} of param {key} has shape {shape} but the param has shape "
-                    f"{tuple(p.shape)}; the state dict is for another parameter layout"
+                    f"{tuple(lp.shape)}; the state dict is for another parameter layout"
                 )
         loaded[id(p)] = entry
     # Everything checked: now change things.
@@ -156,7 +170,7 @@ def _header(opt: PagedOptimizer) -> dict[str, Any]:
         "groups": [
             {k: plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ],
-        "params": [[list(p.shape) for p in g["params"]] for g in opt.param_groups],
+        "params": [[list(local_tensor(p).shape) for p in g["params"]] for g in opt.param_groups],
         "steps": [
             [opt.state[p]["step"].item() if p in opt.state else None for p in g["params"]]
             for g in opt.param_groups

@@ -14,6 +14,12 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "MemoryTracker": "tightfit.memory.tracker",
+    "chunked_cross_entropy": "tightfit.loss",
+    "enable_chunked_loss": "tightfit.loss",
+    "disable_chunked_loss": "tightfit.loss",
+    "auto_chunk_tokens": "tightfit.loss",
+    "predict_head_loss_bytes": "tightfit.loss",
+    "predict_model_head_loss_bytes": "tightfit.loss",
     "Plan": "tightfit.checkpoint.plan",
     "PagedAdamW": "tightfit.optim.adamw",
     "PagedAdam": "tightfit.optim.adamw",

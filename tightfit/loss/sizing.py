@@ -1,0 +1,193 @@
+"""How many bytes the LM head and its loss need, and how many tokens a chunk should hold.
+
+The head+loss is the last segment of the layer chain (see ``tightfit/checkpoint``); these
+predictions let the checkpoint planner and the fit planner count it like any other segment.
+All figures are bytes allocated *by* the head and loss during one forward+backward, above
+the hidden states and the head's weights that exist anyway, measured per
+``tightfit.memory.tracker.MemoryTracker`` (tests compare prediction and measurement).
+
+Where the bytes are, per token and per vocabulary entry (``d`` = bytes of the logits dtype):
+
+* unchunked, HF ``ForCausalLMLoss``: the logits (``d``; HF returns them, so they stay alive
+  through backward), the fp32 log-softmax that cross-entropy saves (4), and in backward the
+  NLL gradient (4) and the log-softmax gradient (4): ``d + 12``.
+* chunked, ``"precompute"``: one fp32 buffer that becomes the loss gradient in place (4),
+  plus, below fp32, the logits before upcasting and the gradient cast back (``2d``, not at
+  the same time for a plain ``nn.Linear``): 4 for fp32, 6 for bf16 (8 for other heads).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+HeadKind = Literal["linear", "module", "4bit"]
+ChunkStrategy = Literal["precompute", "recompute"]
+
+#: With no budget, a chunk gets at most this fraction of the unchunked head+loss bytes ...
+DEFAULT_FRACTION = 16
+#: ... and at most this many bytes (keeps huge batches from making huge chunks) ...
+DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
+#: ... but at least this many tokens: smaller matmuls waste the hardware (they re-read the
+#: whole head weight per chunk).
+MIN_AUTO_CHUNK_TOKENS = 64
+
+_LOSS_FP32 = 4  # the loss is always computed on fp32 logits
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}."
+        )
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def chunk_bytes_per_token(
+    vocab_size: int,
+    dtype: torch.dtype,
+    *,
+    head_kind: HeadKind = "linear",
+    strategy: ChunkStrategy = "precompute",
+) -> int:
+    """Bytes one token of a chunk holds at the chunk's peak (logits and their copies)."""
+    d = _dtype_bytes(dtype)
+    if strategy == "recompute":
+        per_vocab = d + 3 * _LOSS_FP32  # autograd's cross-entropy, recomputed per chunk
+    elif d == _LOSS_FP32:
+        per_vocab = _LOSS_FP32
+    elif head_kind == "linear":
+        per_vocab = d + _LOSS_FP32  # logits freed once upcast; gradient cast after
+    else:
+        per_vocab = 2 * d + _LOSS_FP32  # the module's logits stay alive for its backward
+    return vocab_size * per_vocab
+
+
+def predict_head_loss_bytes(
+    vocab_size: int,
+    seq_len: int,
+    batch: int,
+    dtype: torch.dtype,
+    *,
+    hidden_size: int,
+    chunk_tokens: int | None = None,
+    trainable_head_numel: int = 0,
+    head_kind: HeadKind = "linear",
+    strategy: ChunkStrategy = "precompute",
+) -> int:
+    """Predicted peak bytes of the head and loss over one forward+backward.
+
+    Args:
+        vocab_size: Output vocabulary (columns of the logits).
+        seq_len: Tokens per sequence.
+        batch: Sequences per step.
+        dtype: Dtype of the hidden states and logits (the head's compute dtype).
+        hidden_size: Width of the hidden states (rows of their gradient).
+        chunk_tokens: Tokens per chunk; ``None`` predicts HF's unchunked loss.
+        trainable_head_numel: Elements of the head's trainable parameters (``vocab *
+            hidden`` for a trained head, the LoRA factors for a LoRA head, 0 if frozen).
+        head_kind: ``"linear"`` (plain or tied ``nn.Linear``), ``"module"`` (e.g. a
+            LoRA-wrapped Linear) or ``"4bit"`` (a bitsandbytes ``Linear4bit`` base, which
+            dequantizes its weight on every call).
+        strategy: Chunked strategy (see :func:`tightfit.loss.chunked_cross_entropy`).
+
+    Returns:
+        Peak bytes above the hidden states and weights present before the head runs.
+    """
+    _check_positive(vocab_size=vocab_size, seq_len=seq_len, batch=batch, hidden_size=hidden_size)
+    d = _dtype_bytes(dtype)
+    n = seq_len * batch
+    grad_hidden = n * hidden_size * d
+    labels = 2 * n * 8  # the shifted int64 labels and their validity mask
+    dequant = vocab_size * hidden_size * d if head_kind == "4bit" else 0
+    if chunk_tokens is None:
+        ce_stage = n * vocab_size * (d + 3 * _LOSS_FP32)
+        # the head's own backward: logits still alive, their gradient, and the param grads
+        matmul_stage = 2 * n * vocab_size * d + grad_hidden + trainable_head_numel * d
+        return labels + dequant + max(ce_stage, matmul_stage)
+    _check_positive(chunk_tokens=chunk_tokens)
+    c = min(chunk_tokens, n)
+    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, strategy=strategy)
+    if strategy == "recompute":
+        # torch.split's backward holds every chunk's hidden gradient, then concatenates them;
+        # AccumulateGrad adds each chunk's parameter gradient to .grad
+        params = 2 * trainable_head_numel * d
+        return labels + dequant + 2 * grad_hidden + params + c * per_token
+    acc = trainable_head_numel * _LOSS_FP32  # fp32 gradient accumulators
+    # below fp32 the weight-gradient matmul of a chunk lands in a temporary of the param dtype
+    transient = trainable_head_numel * d if (d < _LOSS_FP32 or head_kind != "linear") else 0
+    chunk_stage = max(c * per_token, c * vocab_size * d + transient)
+    return labels + dequant + grad_hidden + acc + chunk_stage
+
+
+def auto_chunk_tokens(
+    vocab_size: int,
+    seq_len: int,
+    batch: int,
+    dtype: torch.dtype,
+    budget: int | None = None,
+    *,
+    head_kind: HeadKind = "linear",
+) -> int:
+    """Tokens per chunk for a vocabulary, batch shape and dtype.
+
+    Args:
+        vocab_size: Output vocabulary.
+        seq_len: Tokens per sequence.
+        batch: Sequences per step.
+        dtype: Dtype of the logits.
+        budget: Bytes allowed for one chunk's logits and their copies (the part of
+            :func:`predict_head_loss_bytes` that grows with the chunk). ``None``: a
+            sixteenth of the unchunked head+loss bytes, at most 256 MiB, at least 64 tokens.
+        head_kind: See :func:`predict_head_loss_bytes`.
+
+    Returns:
+        Tokens per chunk, between 1 and ``seq_len * batch``.
+
+    Raises:
+        ValueError: A size is not positive, or ``budget`` is below one token's bytes.
+    """
+    _check_positive(vocab_size=vocab_size, seq_len=seq_len, batch=batch)
+    n = seq_len * batch
+    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind)
+    if budget is not None:
+        _check_positive(budget=budget)
+        if budget < per_token:
+            raise ValueError(
+                f"budget={budget} bytes is below one token's logits working set ({per_token} "
+                f"bytes at vocab {vocab_size}, {dtype}); raise the budget to at least that."
+            )
+        return min(n, budget // per_token)
+    unchunked = n * vocab_size * (_dtype_bytes(dtype) + 3 * _LOSS_FP32)
+    target = min(unchunked // DEFAULT_FRACTION, DEFAULT_MAX_CHUNK_BYTES)
+    chunk = max(target // per_token, MIN_AUTO_CHUNK_TOKENS)
+    if chunk > 8:
+        chunk -= chunk % 8  # matmul-friendly
+    return max(1, min(n, chunk))
+
+
+def head_kind_of(head: nn.Module) -> HeadKind:
+    """Classify a head module for :func:`predict_head_loss_bytes`."""
+    if any(type(p).__name__ == "Params4bit" for p in head.parameters()):
+        return "4bit"
+    if type(head) is nn.Linear:
+        return "linear"
+    return "module"
+
+
+def head_compute_dtype(head: nn.Module) -> torch.dtype:
+    """Dtype of the logits a head produces for input of its own precision."""
+    for m in head.modules():
+        compute = getattr(m, "compute_dtype", None)  # bitsandbytes Linear4bit
+        if isinstance(compute, torch.dtype):
+            return compute
+    floats = [p.dtype for p in head.parameters() if p.is_floating_point()]
+    return floats[0] if floats else torch.get_default_dtype()
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}.")

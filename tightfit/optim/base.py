@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tightfit.distributed.dtensor import check_param, local_tensor
 from tightfit.optim import state_io
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.store import PageStore
@@ -168,9 +169,10 @@ class PagedOptimizer(torch.optim.Optimizer):
                     f"param on {p.device} but this optimizer pages state for "
                     f"{self._store.device}; move it or make another optimizer for it"
                 )
+            check_param(p)  # FSDP2/DTensor params: the pages hold this rank's local shard
             if not p.is_floating_point():
                 raise TypeError(f"param of dtype {p.dtype} cannot be optimized; use float params")
-            if not p.is_contiguous():
+            if not local_tensor(p).is_contiguous():
                 raise ValueError(
                     "a param is not contiguous; call .data = p.data.contiguous() before "
                     "building the optimizer (pages map flat element ranges)"
@@ -191,7 +193,10 @@ class PagedOptimizer(torch.optim.Optimizer):
                 continue
             pages += build_pages(
                 g,
-                [p.numel() if k == layout else 0 for p, k in zip(pg["params"], layouts)],
+                [
+                    local_tensor(p).numel() if k == layout else 0
+                    for p, k in zip(pg["params"], layouts)
+                ],
                 [p.dtype for p in pg["params"]],
                 list(layout),
                 self.unit,
@@ -275,8 +280,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                     if p.grad is None:
                         continue
                     end = seg.start + seg.length
-                    params.append(p.view(-1)[seg.start : end])
-                    grads.append(p.grad.reshape(-1)[seg.start : end])
+                    params.append(local_tensor(p).view(-1)[seg.start : end])
+                    grads.append(local_tensor(p.grad).reshape(-1)[seg.start : end])
                     steps.append(self.state[p]["step"])
                     for name, vs in views.items():
                         states.setdefault(name, []).append(vs[k])

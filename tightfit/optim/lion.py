@@ -1,0 +1,162 @@
+"""PagedLion (fp32 state) and PagedLion8bit (blockwise 8-bit state): Lion on paged state.
+
+Lion (Chen et al. 2023) keeps one momentum per parameter and steps by its sign:
+``p ← p·(1 − lr·wd) − lr·sign(β1·m + (1 − β1)·g)``, then ``m ← β2·m + (1 − β2)·g``. The
+arithmetic follows bitsandbytes' Lion (the same operations in the same order) with torch's
+foreach kernels over all segments of a sweep batch; the 8-bit variant runs bitsandbytes'
+``optimizer_update_8bit_blockwise("lion", ...)`` on the page views.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from tightfit.optim import quant8
+from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim.paged8bit import Paged8bitOptimizer
+from tightfit.paging.layout import StateSpec
+
+
+def lion_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """One Lion step on parallel lists of fp32 tensors, in place (foreach kernels)."""
+    if weight_decay > 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    update = torch._foreach_mul(exp_avgs, beta1)
+    torch._foreach_add_(update, grads, alpha=1.0 - beta1)
+    torch._foreach_sign_(update)
+    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_mul_(exp_avgs, beta2)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
+
+
+def _check_lion(group: dict[str, Any]) -> None:
+    lr, betas, wd = group["lr"], group["betas"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
+    if not float(lr) >= 0.0:
+        raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 1e-4)")
+    if not (isinstance(betas, tuple | list) and len(betas) == 2):
+        raise TypeError(f"betas={betas!r} must be a pair (beta1, beta2), e.g. (0.9, 0.99)")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}]={float(b)} is outside [0, 1); pass e.g. (0.9, 0.99)")
+    if not float(wd) >= 0.0:
+        raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 0.01)")
+
+
+def _lion_groups(group: dict[str, Any], params, grads, exp_avgs) -> None:  # noqa: ANN001
+    beta1, beta2 = group["betas"]
+    lion_update_(
+        params,
+        grads,
+        exp_avgs,
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        weight_decay=float(group["weight_decay"]),
+    )
+
+
+class PagedLion(PagedOptimizer):
+    """Lion with fp32 momentum (``exp_avg``) kept in pages.
+
+    Args:
+        params: params or param-group dicts.
+        lr: learning rate (>= 0); Lion wants 3-10x less than AdamW.
+        betas: (β1 for the update direction, β2 for the momentum), each in [0, 1).
+        weight_decay: decoupled weight decay (>= 0).
+        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+            :class:`~tightfit.optim.adamw.PagedAdamW`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        self._check_group(defaults)
+        super().__init__(
+            params,
+            defaults,
+            page_bytes=page_bytes,
+            device_budget=device_budget,
+            host_budget=host_budget,
+            spill_dir=spill_dir,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_lion(group)
+
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
+        return [StateSpec("exp_avg", torch.float32)]
+
+    def _update(self, group, params, grads, states, steps) -> None:  # noqa: ANN001
+        _lion_groups(group, params, grads, states["exp_avg"])
+
+
+class PagedLion8bit(Paged8bitOptimizer):
+    """Lion with blockwise 8-bit momentum (bitsandbytes' ``Lion8bit``) kept in pages.
+
+    Same arguments as :class:`PagedLion` plus ``min_8bit_size`` and ``backend`` (see
+    :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`). About 1.02 bytes of state per param.
+    """
+
+    kernel = "lion"
+    torch_names = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        min_8bit_size: int = quant8.MIN_8BIT_SIZE,
+        backend: quant8.Backend = "auto",
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            min_8bit_size=min_8bit_size,
+            backend=backend,
+            page_bytes=page_bytes,
+            device_budget=device_budget,
+            host_budget=host_budget,
+            spill_dir=spill_dir,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_lion(group)
+
+    def _kernel_args(self, group: dict[str, Any]) -> tuple[float, float, float, float]:
+        beta1, beta2 = group["betas"]
+        return float(beta1), float(beta2), 0.0, float(group["weight_decay"])
+
+    def _update_fp32(self, group, params, grads, states, steps) -> None:  # noqa: ANN001
+        _lion_groups(group, params, grads, states["state1"])

@@ -1,0 +1,242 @@
+"""Paged8bitOptimizer: bitsandbytes-style blockwise 8-bit state on the paged optimizer core.
+
+Layout per param (bitsandbytes' own, with its names): a param of at least ``min_8bit_size``
+elements gets ``state1``/``state2`` as uint8 codes plus ``absmax1``/``absmax2`` (one fp32 per
+256 elements), all in the same page, so a page moves and is updated with its scales; a smaller
+param keeps ``state1``/``state2`` in fp32. Pages align to 256-element blocks (``unit``).
+
+The update of an 8-bit segment is bitsandbytes' ``optimizer_update_8bit_blockwise`` kernel
+called on the page views (dequantize → update → requantize, bitsandbytes' numerics), or, with
+``backend="torch"`` (automatic where bitsandbytes has no kernel), dequantize in torch → the
+subclass's fp32 math on all segments at once (torch's fused/foreach kernels) → quantize in
+torch. 32-bit segments always take the fp32 math.
+
+State dicts: :meth:`state_dict` returns the codes and absmax themselves (uint8/fp32 tensors;
+a round trip is bit-exact); :meth:`torch_state_dict` returns torch's fp32 format
+(dequantized, e.g. ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from tightfit.optim import quant8
+from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.paging.layout import StateSpec
+
+
+class Paged8bitOptimizer(PagedOptimizer):
+    """Base of the paged 8-bit optimizers; subclasses set the class attributes and the math.
+
+    Subclass contract: ``kernel`` (bitsandbytes' optimizer name, ``"adam"``/``"lion"``),
+    ``torch_names`` (torch state names of state1[, state2]), ``_check_group`` and
+    ``_update_fp32(group, params, grads, states, steps)`` on fp32 lists (states keyed
+    ``state1``/``state2``), and ``_kernel_args(group) -> (beta1, beta2, eps, weight_decay)``.
+
+    Args:
+        params: params or param-group dicts.
+        defaults: the subclass's default hyperparameters.
+        min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
+        backend: ``"auto"`` (bitsandbytes' kernel where it has one, else torch),
+            ``"bitsandbytes"`` or ``"torch"``.
+        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+            :class:`~tightfit.optim.adamw.PagedAdamW`.
+    """
+
+    unit = quant8.BLOCKSIZE
+    kernel: ClassVar[str] = "adam"
+    torch_names: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        min_8bit_size: int = quant8.MIN_8BIT_SIZE,
+        backend: quant8.Backend = "auto",
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
+            raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
+        if min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
+        self._check_group(defaults)
+        params = list(params)
+        self._backend = quant8.resolve_backend(backend, self._common_device(params))
+        self._min_8bit_size = min_8bit_size
+        super().__init__(
+            params,
+            defaults,
+            page_bytes=page_bytes,
+            device_budget=device_budget,
+            host_budget=host_budget,
+            spill_dir=spill_dir,
+        )
+        device = self._store.device
+        self._maps = [quant8.dynamic_map(True, device), quant8.dynamic_map(False, device)]
+
+    @property
+    def backend(self) -> str:
+        """The kernel family in use: ``"bitsandbytes"`` or ``"torch"``."""
+        return self._backend
+
+    # ------------------------------------------------------------------ layout
+    def _n_states(self) -> int:
+        return len(self.torch_names)
+
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
+        specs = []
+        for i in range(1, self._n_states() + 1):
+            specs += [
+                StateSpec(f"state{i}", torch.uint8),
+                StateSpec(f"absmax{i}", torch.float32, quant8.BLOCKSIZE),
+            ]
+        return specs
+
+    def _param_specs(self, group: dict[str, Any], param: torch.Tensor) -> list[StateSpec]:
+        if quant8.is_8bit(param.numel(), self._min_8bit_size):
+            return self._state_specs(group)
+        return [StateSpec(f"state{i}", torch.float32) for i in range(1, self._n_states() + 1)]
+
+    # ------------------------------------------------------------------ the update
+    def _kernel_args(self, group: dict[str, Any]) -> tuple[float, float, float, float]:
+        raise NotImplementedError
+
+    def _update_fp32(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        raise NotImplementedError
+
+    def _kernel_grads(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Gradients handed to bitsandbytes' kernel (a subclass may fold in L2 decay)."""
+        return grads
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        if "absmax1" not in states:  # params below min_8bit_size: fp32 state
+            self._update_fp32(group, params, grads, states, steps)
+            return
+        n = self._n_states()
+        if self._backend == "torch":
+            fp32 = {
+                f"state{i}": [
+                    quant8.dequantize_torch(c, a, self._maps[i - 1])
+                    for c, a in zip(states[f"state{i}"], states[f"absmax{i}"])
+                ]
+                for i in range(1, n + 1)
+            }
+            self._update_fp32(group, params, grads, fp32, steps)
+            for i in range(1, n + 1):
+                for v, c, a in zip(fp32[f"state{i}"], states[f"state{i}"], states[f"absmax{i}"]):
+                    quant8.quantize_torch(v, self._maps[i - 1], c, a)
+            return
+        ops = quant8.bnb_ops()
+        beta1, beta2, eps, wd = self._kernel_args(group)
+        lr = float(group["lr"])
+        counts = torch.stack(steps).tolist()  # one read of all step counts (no per-param sync)
+        grads = self._kernel_grads(group, params, grads)
+        two = n == 2
+        for k, (p, g) in enumerate(zip(params, grads)):
+            ops.optimizer_update_8bit_blockwise(
+                self.kernel, g, p,
+                states["state1"][k], states["state2"][k] if two else None,
+                beta1, beta2, 0.0, 0.0, eps, int(counts[k]), lr,
+                self._maps[0], self._maps[1] if two else None,
+                states["absmax1"][k], states["absmax2"][k] if two else None,
+                wd, 1.0, False,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ state dicts
+    def _gather(self, dequantized: bool) -> dict[int, dict[str, torch.Tensor]]:
+        """Per param index: its state arrays, native (codes/absmax) or dequantized fp32."""
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        n = self._n_states()
+        for page in self._store.pages:
+            group = self.param_groups[page.group]
+            live = [s for s in page.segments if group["params"][s.param] in self.state]
+            if not live:
+                continue  # torch keeps no state for a param that never had a gradient
+            views = page.segment_views(self._store.read_page(page))
+            for k, seg in enumerate(page.segments):
+                p = group["params"][seg.param]
+                if p not in self.state:
+                    continue
+                slot = out.setdefault(index[id(p)], {})
+                lo, hi = seg.start, seg.start + seg.length
+                eight = "absmax1" in views
+                for i in range(1, n + 1):
+                    codes = views[f"state{i}"][k]
+                    if dequantized:
+                        name = self.torch_names[i - 1]
+                        dst = slot.setdefault(name, torch.empty(p.numel()))
+                        dst[lo:hi] = (
+                            quant8.dequantize_torch(
+                                codes, views[f"absmax{i}"][k], self._maps[i - 1].cpu()
+                            )
+                            if eight
+                            else codes
+                        )
+                        continue
+                    dst = slot.setdefault(f"state{i}", torch.empty(p.numel(), dtype=codes.dtype))
+                    dst[lo:hi] = codes
+                    if eight:
+                        b = quant8.blocks(p.numel())
+                        am = slot.setdefault(f"absmax{i}", torch.empty(b))
+                        am[lo // self.unit : lo // self.unit + quant8.blocks(seg.length)] = views[
+                            f"absmax{i}"
+                        ][k]
+        return out
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _state_dict(self, dequantized: bool) -> dict[str, Any]:
+        self._check_open()
+        sd = torch.optim.Optimizer.state_dict(self)  # param_groups + per-param "step"
+        params = self._all_params()
+        for i, arrays in self._gather(dequantized).items():
+            entry = sd["state"][i]
+            entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+            for name, t in arrays.items():
+                entry[name] = t.view(params[i].shape) if t.numel() == params[i].numel() else t
+        return sd
+
+    def state_dict(self) -> dict[str, Any]:
+        """Native state dict: per param ``step``, ``state1``/``state2`` (uint8 codes shaped like
+        the param, or fp32 below ``min_8bit_size``) and ``absmax1``/``absmax2`` (fp32, one per
+        256 elements). Loading it into the same class continues bit-identically."""
+        return self._state_dict(dequantized=False)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state in torch's fp32 format, dequantized (e.g. ``torch.optim.AdamW``'s
+        ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes it back (quantizing)."""
+        return self._state_dict(dequantized=True)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a native (:meth:`state_dict`) or torch-format (:meth:`torch_state_dict`, or a
+        torch optimizer's) state dict; everything is checked before anything changes."""
+        from tightfit.optim.state8bit import check_and_load
+
+        self._check_open()
+        check_and_load(self, state_dict)

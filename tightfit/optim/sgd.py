@@ -1,0 +1,169 @@
+"""PagedSGD: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) on paged state.
+
+The only state is the fp32 ``momentum_buffer`` (none at all without momentum: such groups have
+no pages and are updated directly). The math is torch's functional ``sgd`` (fused where the
+device supports it, foreach otherwise) on the page views. torch starts a momentum buffer as a
+copy of the first gradient; a fresh page holds zeros, for which ``momentum·0 + (1 − dampening)·g``
+is that copy exactly when ``dampening == 0``; with dampening the first-step params are passed
+to torch as ``None`` buffers, as torch does it, and copied into their pages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.sgd import sgd as _sgd_functional
+
+from tightfit.optim.adamw import _fused_supported
+from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.paging.layout import StateSpec
+
+
+class PagedSGD(PagedOptimizer):
+    """``torch.optim.SGD`` with its momentum buffers in pages.
+
+    Args:
+        params: params or param-group dicts.
+        lr: learning rate (>= 0).
+        momentum: momentum factor (>= 0; 0 keeps no state).
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+        maximize: maximize the objective instead of minimizing it.
+        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+            :class:`~tightfit.optim.adamw.PagedAdamW`.
+
+    ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
+    a ``torch.optim.SGD`` state dict loads too.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device_budget: int | None = None,
+        host_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            # torch's own keys, so a state dict loads into torch.optim.SGD unchanged
+            "foreach": None,
+            "differentiable": False,
+            "fused": None,
+        }
+        self._check_group(defaults)
+        super().__init__(
+            params,
+            defaults,
+            page_bytes=page_bytes,
+            device_budget=device_budget,
+            host_budget=host_budget,
+            spill_dir=spill_dir,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
+        if not float(lr) >= 0.0:
+            raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 0.01)")
+        if not float(momentum) >= 0.0:
+            raise ValueError(f"momentum={momentum} is negative; pass a value >= 0 (e.g. 0.9)")
+        if not float(wd) >= 0.0:
+            raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 1e-4)")
+        if group["nesterov"] and (float(momentum) <= 0 or float(group["dampening"]) != 0):
+            raise ValueError(
+                "nesterov=True needs momentum > 0 and dampening = 0; set momentum (e.g. 0.9) "
+                "and dampening=0, or pass nesterov=False"
+            )
+
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
+        return [StateSpec("momentum_buffer", torch.float32)] if group["momentum"] != 0 else []
+
+    def _sgd(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bufs: list[torch.Tensor | None],
+    ) -> None:
+        if not params:
+            return
+        fused = _fused_supported(params[0].device)
+        _sgd_functional(
+            params,
+            grads,
+            bufs,
+            foreach=not fused,
+            fused=fused,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=float(group["lr"]),
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        bufs = states["momentum_buffer"]
+        first: list[int] = []
+        if group["dampening"] != 0:  # only then does torch's first step differ from a zero buffer
+            first = [k for k, c in enumerate(torch.stack(steps).tolist()) if c == 1]
+        if not first:
+            self._sgd(group, params, grads, list(bufs))
+            return
+        rest = sorted(set(range(len(params))) - set(first))
+        self._sgd(group, [params[k] for k in rest], [grads[k] for k in rest], [bufs[k] for k in rest])
+        new: list[torch.Tensor | None] = [None] * len(first)
+        self._sgd(group, [params[k] for k in first], [grads[k] for k in first], new)
+        for k, b in zip(first, new):
+            bufs[k].copy_(b)
+
+    def _run_sweep(self) -> None:
+        super()._run_sweep()
+        # Groups without momentum have no state and no pages: plain SGD, after the sweep so
+        # that a sweep stopped part-way (finish_step) never applies it twice.
+        for group in self.param_groups:
+            if group["momentum"] == 0:
+                ps = [p for p in group["params"] if p.grad is not None]
+                self._sgd(group, ps, [p.grad for p in ps], [None] * len(ps))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch-format SGD state dict (``torch.optim.SGD``'s or ours); paging is kept.
+
+        torch's entries have no ``step``: a param with a momentum buffer counts as started, one
+        with ``momentum_buffer=None`` as fresh (its next step starts the buffer, as in torch).
+        """
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            state = {}
+            for key, entry in state_dict["state"].items():
+                if isinstance(entry, dict) and "step" not in entry:
+                    if entry.get("momentum_buffer") is None:
+                        continue
+                    entry = {**entry, "step": torch.tensor(1.0)}
+                state[key] = entry
+            state_dict = {**state_dict, "state": state}
+        super().load_state_dict(state_dict)

@@ -1,0 +1,144 @@
+"""Loading state dicts into the paged 8-bit optimizers (native codes or torch's fp32 format).
+
+Everything is checked first — groups, params, each tensor's shape and dtype against the layout
+the optimizer gives that param — and only then are groups, steps and pages written, so a bad
+state dict leaves the optimizer as it was.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tightfit.optim import quant8
+
+if TYPE_CHECKING:
+    from tightfit.optim.paged8bit import Paged8bitOptimizer
+
+
+def _check_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
+    if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
+        raise ValueError(
+            "not an optimizer state dict (needs 'state' and 'param_groups'); pass the result "
+            "of optimizer.state_dict() or torch_state_dict()"
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"state dict has {len(saved_groups)} param groups but this optimizer has "
+            f"{len(opt.param_groups)}; build the optimizer with the same groups as the saved one"
+        )
+    merged_groups = []
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {gi} has {len(group['params'])} params but the state dict has "
+                f"{len(saved['params'])}; load a state dict saved for the same model"
+            )
+        merged = {k: v for k, v in saved.items() if k in group and k != "params"}
+        merged = {**group, **merged, "params": group["params"]}
+        if isinstance(merged.get("betas"), list):
+            merged["betas"] = tuple(merged["betas"])
+        opt._check_group(merged)
+        merged_groups.append(merged)
+    return merged_groups
+
+
+def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any) -> str:
+    """The entry's format (``"native"`` or ``"torch"``), or ValueError naming what is wrong."""
+    if not isinstance(entry, dict) or "step" not in entry:
+        raise ValueError(f"state of param {key} lacks 'step'; pass a full optimizer state dict")
+    n = len(opt.torch_names)
+    eight = quant8.is_8bit(p.numel(), opt._min_8bit_size)
+    if "state1" in entry:
+        fmt, names = "native", [f"state{i}" for i in range(1, n + 1)]
+    elif all(t in entry for t in opt.torch_names):
+        fmt, names = "torch", list(opt.torch_names)
+    else:
+        raise ValueError(
+            f"state of param {key} has keys {sorted(entry)}; expected {type(opt).__name__}'s "
+            f"native keys (state1, absmax1, ...) or torch's {list(opt.torch_names)}"
+        )
+    want = torch.uint8 if (fmt == "native" and eight) else None
+    for name in names:
+        t = entry.get(name)
+        if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"state {name!r} of param {key} has shape {shape} but the param has shape "
+                f"{tuple(p.shape)}; the state dict is for another parameter layout"
+            )
+        if fmt == "native" and (t.dtype == torch.uint8) != (want == torch.uint8):
+            raise ValueError(
+                f"state {name!r} of param {key} is {t.dtype} but this optimizer keeps "
+                f"{'8-bit' if eight else 'fp32'} state for it; build the optimizer with the "
+                "saved min_8bit_size"
+            )
+    if fmt == "native" and eight:
+        for i in range(1, n + 1):
+            a = entry.get(f"absmax{i}")
+            if not isinstance(a, torch.Tensor) or a.numel() != quant8.blocks(p.numel()):
+                raise ValueError(
+                    f"state of param {key} needs absmax{i} with {quant8.blocks(p.numel())} "
+                    "values (one per 256 elements); the state dict is for another layout"
+                )
+    return fmt
+
+
+def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
+    """Validate ``state_dict`` against ``opt`` completely, then load it into the pages."""
+    new_groups = _check_groups(opt, state_dict)
+    id_to_param: dict[Any, torch.Tensor] = {}
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        id_to_param.update(zip(saved["params"], group["params"]))
+    loaded: dict[int, tuple[str, dict[str, Any]]] = {}
+    for key, entry in state_dict["state"].items():
+        if key not in id_to_param:
+            raise ValueError(f"state dict has state for param {key!r}, which no group lists")
+        p = id_to_param[key]
+        loaded[id(p)] = (_check_entry(opt, key, p, entry), entry)
+    # Everything checked: now change things.
+    store = opt.pager
+    store.materialize()
+    for gi, merged in enumerate(new_groups):
+        opt.param_groups[gi].clear()
+        opt.param_groups[gi].update(merged)
+    opt.state.clear()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in loaded:
+                step = loaded[id(p)][1]["step"]
+                step = float(step.item() if isinstance(step, torch.Tensor) else step)
+                opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+    n = len(opt.torch_names)
+    maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]
+    for page in store.pages:
+        group = opt.param_groups[page.group]
+        buf = torch.zeros(page.nbytes, dtype=torch.uint8)
+        views = page.segment_views(buf)
+        eight = "absmax1" in views
+        for k, seg in enumerate(page.segments):
+            item = loaded.get(id(group["params"][seg.param]))
+            if item is None:
+                continue
+            fmt, entry = item
+            lo, hi = seg.start, seg.start + seg.length
+            b0 = lo // opt.unit
+            for i in range(1, n + 1):
+                codes = views[f"state{i}"][k]
+                if fmt == "native":
+                    codes.copy_(entry[f"state{i}"].detach().reshape(-1)[lo:hi].cpu())
+                    if eight:
+                        am = views[f"absmax{i}"][k]
+                        src = entry[f"absmax{i}"].detach().reshape(-1).cpu()
+                        am.copy_(src[b0 : b0 + am.numel()])
+                    continue
+                values = entry[opt.torch_names[i - 1]].detach().reshape(-1)[lo:hi]
+                values = values.to("cpu", torch.float32)
+                if eight:
+                    quant8.quantize_torch(values, maps[i - 1], codes, views[f"absmax{i}"][k])
+                else:
+                    codes.copy_(values)
+        store.write_page(page, buf)
+    opt._pending_step = None

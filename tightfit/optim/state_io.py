@@ -57,10 +57,11 @@ def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
     for i, p in enumerate(_params(opt)):
         if i not in full:
             continue
-        entry = sd["state"][i]
-        entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+        # torch's packing shares our live per-param dicts: build new ones
+        entry = {"step": sd["state"][i]["step"].detach().to("cpu", torch.float32, copy=True)}
         for name, flat in full[i].items():
             entry[name] = like_param(flat.view(local_tensor(p).shape), p)
+        sd["state"][i] = entry
     return sd
 
 

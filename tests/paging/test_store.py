@@ -1,0 +1,130 @@
+"""Page store: residency under budgets, exact traffic, eviction/restore, events, cleanup."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tightfit.optim.adamw import PagedAdamW
+
+PAGE = 16 << 10
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _opt(budget, sizes=(30_000, 5, 12_000), **kw):
+    params = [torch.randn(n) for n in sizes]
+    return params, PagedAdamW(params, lr=1e-2, page_bytes=PAGE, device_budget=budget, **kw)
+
+
+def _step(params, opt, n=1):
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+
+def _state(opt):
+    return {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+
+
+def test_resident_prefix_window_and_disk() -> None:
+    params, opt = _opt(5 * PAGE)
+    tiers, slots = opt.pager.plan()
+    assert slots == 2
+    n_dev = tiers.count("device")
+    assert tiers == ["device"] * n_dev + ["disk"] * (len(tiers) - n_dev)  # a fixed prefix
+    _step(params, opt)
+    s = opt.memory_stats()
+    assert s["resident_bytes"] + s["window_bytes"] == s["device_bytes"] <= 5 * PAGE
+    assert s["resident_bytes"] + s["disk_bytes"] == s["state_bytes"]
+    assert s["host_bytes"] == 0  # on the CPU, device and host are one tier
+    opt.close()
+
+
+@pytest.mark.parametrize("budget", [PAGE, 2 * PAGE, 4 * PAGE + 100])
+def test_each_step_moves_exactly_twice_the_non_resident_bytes(budget) -> None:
+    params, opt = _opt(budget)
+    _step(params, opt)
+    for _ in range(3):
+        before = opt.memory_stats()
+        _step(params, opt)
+        after = opt.memory_stats()
+        non_resident = after["state_bytes"] - after["resident_bytes"]
+        assert after["disk_bytes"] == non_resident > 0
+        moved = (after["bytes_paged_in"] - before["bytes_paged_in"]) + (
+            after["bytes_paged_out"] - before["bytes_paged_out"])
+        assert moved == 2 * non_resident
+        streamed = sum(1 for p in opt.pager.pages if p.tier == "disk")
+        assert after["page_faults"] - before["page_faults"] == streamed
+        assert after["peak_device_bytes"] <= budget
+    opt.close()
+
+
+def test_evict_and_restore_keep_the_state_and_log_events() -> None:
+    params, opt = _opt(None)
+    _step(params, opt, 2)
+    full = opt.memory_stats()["device_bytes"]
+    reference = _state(opt)
+    freed = opt.pager.evict_bytes(full // 2, reason="test: activations need room")
+    s = opt.memory_stats()
+    assert freed == full - s["device_bytes"] and freed >= full // 2
+    assert s["disk_bytes"] > 0 and s["device_bytes"] <= full - full // 2
+    ev = opt.pager.events.events[-1]
+    assert (ev.kind, ev.src, ev.dst) == ("evict", "device", "disk")
+    assert ev.reason == "test: activations need room" and ev.nbytes == s["disk_bytes"]
+    after = _state(opt)
+    for i in reference:
+        for k in reference[i]:
+            assert torch.equal(reference[i][k], after[i][k])
+    # a step while evicted streams the evicted pages; then restore everything
+    _step(params, opt)
+    added = opt.pager.restore_bytes(None, reason="pressure gone")
+    s = opt.memory_stats()
+    assert s["disk_bytes"] == 0 and s["window_bytes"] == 0 and added > 0
+    assert opt.pager.events.events[-1].kind == "restore"
+    opt.close()
+
+
+def test_peak_never_exceeds_budget_through_limit_changes() -> None:
+    budget = 6 * PAGE
+    params, opt = _opt(budget)
+    _step(params, opt)
+    for limit in (PAGE, 3 * PAGE, None, 2 * PAGE):
+        opt.pager.limit_device(limit, reason="test")
+        _step(params, opt)
+        assert opt.memory_stats()["peak_device_bytes"] <= budget
+        assert opt.memory_stats()["device_bytes"] <= (limit or budget)
+    with pytest.raises(ValueError, match="below one page"):
+        opt.pager.limit_device(PAGE - 1, reason="test")
+    opt.close()
+
+
+def test_spill_files_are_gone_after_close(tmp_path) -> None:
+    params, opt = _opt(PAGE, spill_dir=tmp_path)
+    _step(params, opt)
+    folder = opt.memory_stats()["spill_dir"]
+    files = os.listdir(folder)
+    assert files and all(f.endswith(".spill") for f in files)
+    opt.close()
+    assert not os.path.exists(folder) and os.listdir(tmp_path) == []
+
+
+def test_default_spill_folder_is_temporary_and_removed() -> None:
+    params, opt = _opt(PAGE)
+    _step(params, opt)
+    folder = opt.memory_stats()["spill_dir"]
+    assert os.path.isdir(folder)
+    del opt  # no close(): the finalizer still frees the pages and deletes the files
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(folder)

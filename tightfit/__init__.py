@@ -24,6 +24,12 @@ _EXPORTS: dict[str, str] = {
     "PagedAdamW": "tightfit.optim.adamw",
     "PagedAdam": "tightfit.optim.adamw",
     "PagedOptimizer": "tightfit.optim.base",
+    "Probe": "tightfit.paging.probes",
+    "CudaProbe": "tightfit.paging.probes",
+    "RSSProbe": "tightfit.paging.probes",
+    "FakeProbe": "tightfit.paging.probes",
+    "PressureWatch": "tightfit.paging.pressure",
+    "OccupancyControl": "tightfit.paging.occupancy",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -18,6 +18,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
+from tightfit.paging.probes import Probe
 
 
 def _fused_supported(device: torch.device) -> bool:
@@ -44,6 +45,9 @@ class PagedAdamW(PagedOptimizer):
         host_budget: bytes of state in host RAM when params are on an accelerator.
         spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
         fused: use torch's fused kernel (``None``: where the device supports it).
+        target: keep the device's usage under this (fraction of capacity or bytes; required
+            on the CPU): pages drain when it is passed and return later (docs/pressure.md).
+        probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
 
     Example:
         >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)
@@ -68,6 +72,8 @@ class PagedAdamW(PagedOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -91,6 +97,8 @@ class PagedAdamW(PagedOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

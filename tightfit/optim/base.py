@@ -24,7 +24,11 @@ import torch
 
 from tightfit.distributed.dtensor import check_param, local_tensor
 from tightfit.optim import state_io
+from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
+from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
+from tightfit.paging.pressure import PressureWatch
+from tightfit.paging.probes import Probe
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 from tightfit.paging.tiers import check_spill_dir
@@ -59,6 +63,11 @@ class PagedOptimizer(torch.optim.Optimizer):
             (``None``: no limit; ignored on the CPU, where the next tier is disk).
         spill_dir: folder for the spill files (a private subfolder is made and removed on
             close); ``None``: the system temp folder.
+        target: keep the device's total usage (as ``probe`` reads it) under this: a fraction
+            of capacity (float, e.g. 0.9) or bytes (int; required on the CPU). Pages leave the
+            device when usage passes it and come back at later steps; ``None`` with no
+            ``probe``: no pressure handling (see ``docs/pressure.md``).
+        probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
     """
 
     unit: ClassVar[int] = 1
@@ -72,6 +81,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes={page_bytes!r} must be a positive int (e.g. 4 << 20)")
@@ -82,6 +93,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         device = self._common_device(params)
         self._page_bytes = page_bytes
         self._store = PageStore(device, page_bytes, device_budget, host_budget, spill_dir)
+        # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
+        self._pressure: OccupancyControl | None = None
+        if target is not None or probe is not None:
+            self._pressure = OccupancyControl(self._store, probe, target)
+        self._oom_recoveries = 0
         self._finalizer = weakref.finalize(self, self._store.close)
         self._group_pages: list[list[Page]] = []
         self._step_id = 0
@@ -237,6 +253,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 active.append(p)
         if not active:
             return loss
+        if self._pressure is not None:
+            self._pressure.before_step()  # evict if over the target, else bring pages back
         self._store.materialize()
         steps = []
         for p in active:
@@ -246,14 +264,28 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._step_id += 1
         self._pending_step = self._step_id
         torch._foreach_add_(steps, 1)
-        self._run_sweep()
+        self._run_sweep_or_stream()
         return loss
 
     def finish_step(self) -> None:
         """Complete a step that stopped part-way, updating only the pages it had not updated."""
         self._check_open()
         if self._pending_step is not None:
+            self._run_sweep_or_stream()
+
+    def _run_sweep_or_stream(self) -> None:
+        try:
             self._run_sweep()
+        except torch.OutOfMemoryError as exc:
+            # Drain every evictable page and finish by streaming through a one- or two-page
+            # window; pages updated before the error carry this step's id and are skipped.
+            recover_from_oom(self._store, exc)
+            self._oom_recoveries += 1
+            if self._pressure is None and self._store.device.type == "cuda":
+                self._pressure = OccupancyControl(self._store)  # pages come back under 0.9
+            self._run_sweep()
+        if self._pressure is not None:
+            self._pressure.after_step()
 
     def _run_sweep(self) -> None:
         pages = [
@@ -322,6 +354,49 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The page store (residency, budgets, counters, events)."""
         return self._store
 
+    def set_pressure(
+        self,
+        target: float | int | None = None,
+        probe: Probe | None = None,
+        *,
+        restore_margin_bytes: int | None = None,
+    ) -> OccupancyControl:
+        """Keep the device under ``target`` (see the ``target``/``probe`` arguments).
+
+        Replaces an earlier setting (its watches stay installed and keep their old target);
+        returns the :class:`~tightfit.paging.occupancy.OccupancyControl`.
+        """
+        self._check_open()
+        self._pressure = OccupancyControl(
+            self._store, probe, target, restore_margin_bytes=restore_margin_bytes
+        )
+        return self._pressure
+
+    def watch(
+        self,
+        model: torch.nn.Module,
+        *,
+        margin_bytes: int | None = None,
+        min_interval_s: float = 0.005,
+        blocks: Iterable[torch.nn.Module] | None = None,
+    ) -> PressureWatch:
+        """Hook ``model``'s blocks so pages leave the device before a spike passes the target.
+
+        Uses the optimizer's target (on CUDA, 0.9 of the device when none was set; on the CPU
+        set one first: ``target=`` or :meth:`set_pressure`). See
+        :class:`~tightfit.paging.pressure.PressureWatch`; ``.remove()`` uninstalls it.
+        """
+        self._check_open()
+        if self._pressure is None:
+            self._pressure = OccupancyControl(self._store)
+        return self._pressure.watch(
+            model, margin_bytes=margin_bytes, min_interval_s=min_interval_s, blocks=blocks
+        )
+
+    def paging_events(self) -> list[PagingEvent]:
+        """Every logged residency change (evict, restore, oom, ...): time, reason, bytes, tiers."""
+        return list(self._store.events.events)
+
     def memory_stats(self) -> dict[str, Any]:
         """Bytes per tier, peak device bytes and cumulative paging traffic.
 
@@ -329,7 +404,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
             ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``bytes_paged_in``,
             ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
-            ``device_budget``, ``host_budget``, ``spill_dir``.
+            ``device_budget``, ``host_budget``, ``spill_dir``, ``evict_events``,
+            ``restore_events``, ``oom_recoveries``; with a target also ``target_bytes``,
+            ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
+            ``restored_bytes``, ``over_target_reads`` (and ``watch_*`` while watching).
         """
         s, c = self._store, self._store.counters
         return {
@@ -349,12 +427,18 @@ class PagedOptimizer(torch.optim.Optimizer):
             "device_budget": s.device_budget,
             "host_budget": s.host_budget,
             "spill_dir": s.spill.folder,
+            "evict_events": sum(e.kind == "evict" for e in s.events.events),
+            "restore_events": sum(e.kind == "restore" for e in s.events.events),
+            "oom_recoveries": self._oom_recoveries,
+            **(self._pressure.stats() if self._pressure is not None else {}),
         }
 
     def close(self) -> None:
         """Free every page, stop the copy worker and delete the spill files (idempotent)."""
         if not self._closed:
             self._closed = True
+            if self._pressure is not None:
+                self._pressure.close()
             self._finalizer()
             self.state.clear()
 

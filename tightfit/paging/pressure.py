@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from tightfit.checkpoint.blocks import find_blocks
 from tightfit.paging.probes import Probe
 
 __all__ = ["PressureWatch", "WatchStats", "find_watch_blocks", "resolve_target"]
@@ -88,15 +89,17 @@ def resolve_target(target: float | int | None, probe: Probe) -> int:
 
 
 def find_watch_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules to watch: the model's repeated blocks, then its output head.
+    """The modules to watch: the model's chain of blocks, then its output head.
 
-    The blocks are the longest ``nn.ModuleList`` (a transformer's decoder layers). The output
-    head (``get_output_embeddings()`` on Hugging Face models) is added because its logits are
-    often the largest single allocation of a step. A model without a ``ModuleList`` is watched
-    through its direct children.
+    The blocks are the checkpoint planner's chain (:func:`tightfit.checkpoint.blocks.find_blocks`,
+    a transformer's decoder layers). The output head (``get_output_embeddings()`` on Hugging
+    Face models) is added because its logits are often the largest single allocation of a
+    step. A model without a chain of blocks is watched through its direct children.
     """
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    blocks: list[nn.Module] = list(max(lists, key=len)) if lists else list(model.children())
+    try:
+        blocks = find_blocks(model)
+    except ValueError:
+        blocks = list(model.children())
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if isinstance(head, nn.Module) and all(head is not b for b in blocks):
@@ -264,6 +267,11 @@ class PressureWatch:
                     return
 
         return hook
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are installed (until :meth:`remove`)."""
+        return bool(self._handles)
 
     def remove(self) -> None:
         """Remove every hook this watch installed."""

@@ -13,8 +13,11 @@ synchronizes per parameter.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +46,21 @@ def check_spill_dir(spill_dir: str | os.PathLike | None) -> None:
             f"spill_dir={str(path)!r} cannot be written ({exc.strerror or exc}); pass a writable "
             "folder or spill_dir=None for a temporary folder"
         ) from None
+
+
+_MS_SYNC = 4  # <sys/mman.h> on Linux
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fn in (libc.msync, libc.madvise):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return libc
 
 
 class SpillArea:
@@ -78,6 +96,24 @@ class SpillArea:
             mapped = torch.from_file(path, shared=True, size=self._sizes[group], dtype=torch.uint8)
             self._maps[group] = mapped
         return mapped[offset : offset + nbytes]
+
+    def release(self) -> None:
+        """Write dirty spill pages to their files and drop them from this process's RSS.
+
+        A page written into the ``MAP_SHARED`` spill map stays resident — counted in RSS and
+        charged to a memory cgroup as dirty page cache — until the kernel gets round to it;
+        under memory pressure (see ``tightfit.paging.occupancy``) that is too late. ``msync``
+        makes the pages clean (so the kernel can drop them at once) and
+        ``madvise(MADV_DONTNEED)`` unmaps them from this process; the data stays in the file
+        and is read back on the next access. Linux only; a no-op elsewhere.
+        """
+        libc = _libc()
+        if libc is None:
+            return
+        for mapped in self._maps.values():
+            addr, length = mapped.data_ptr(), mapped.numel()
+            if length and libc.msync(addr, length, _MS_SYNC) == 0:
+                libc.madvise(addr, length, _MADV_DONTNEED)
 
     def close(self) -> None:
         """Unmap and delete every spill file and the private folder."""

@@ -1,0 +1,260 @@
+"""Target occupancy: keep a page store's device tier under a target, whatever else grows.
+
+The bathtub with an overflow drain: between steps optimizer pages stay on the device while
+there is headroom under the target; when usage passes it (a long sequence, an odd batch, the
+recompute of a checkpointed segment) pages drain to the next tier, and they come back at a
+later step once the surge has passed. An out-of-memory error inside the step drains
+everything evictable and the step finishes by streaming pages through a small window.
+
+:class:`OccupancyControl` is the policy; the store (:class:`~tightfit.paging.store.PageStore`)
+does the moves and logs every one as a :class:`~tightfit.paging.events.PagingEvent`.
+Which pages leave first: the store keeps a prefix of the sweep order resident, so pages leave
+from the end of the sweep. All pages cost the same per byte to move (out now, in at a later
+step), so the benefit of an eviction is the bytes it frees: whole pages, fewest moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tightfit.paging.pressure import PressureWatch, resolve_target
+from tightfit.paging.probes import CudaProbe, Probe, RSSProbe
+from tightfit.paging.store import PageStore
+
+__all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "recover_from_oom"]
+
+MiB = 2**20
+
+
+def default_probe(device: torch.device) -> Probe:
+    """The probe for ``device``: :class:`CudaProbe` on CUDA, :class:`RSSProbe` on the CPU."""
+    if device.type == "cuda":
+        return CudaProbe(device)
+    if device.type == "cpu":
+        return RSSProbe()
+    raise ValueError(
+        f"no built-in probe for {device.type!r}; pass probe=<a Probe> reading that device."
+    )
+
+
+@dataclass
+class OccupancyCounts:
+    """What pressure handling did (cumulative)."""
+
+    evictions: int = 0  # calls that moved pages off the device
+    restores: int = 0  # calls that brought pages back
+    evicted_bytes: int = 0  # net device bytes freed by evictions
+    restored_bytes: int = 0  # net device bytes taken back by restores
+    over_target_reads: int = 0  # readings between steps that found usage above the target
+
+
+class OccupancyControl:
+    """Keeps ``store``'s device under ``target`` bytes of total usage, as ``probe`` reads it.
+
+    Args:
+        store: The optimizer's page store (``opt.pager``).
+        probe: Reads the device's usage; ``None`` picks :func:`default_probe`.
+        target: A fraction of the probe's capacity (float), bytes (int), or ``None`` for 0.9
+            of the capacity on CUDA (required on the CPU, where capacity is what you say).
+        restore_margin_bytes: Headroom left under the target when pages come back between
+            steps, so the next batch's activations do not immediately push them out again.
+            ``None``: two pages, or the watch's margin when a model is watched (if larger).
+
+    Raises:
+        ValueError/TypeError: see :func:`~tightfit.paging.pressure.resolve_target`; a negative
+            ``restore_margin_bytes``.
+    """
+
+    def __init__(
+        self,
+        store: PageStore,
+        probe: Probe | None = None,
+        target: float | int | None = None,
+        *,
+        restore_margin_bytes: int | None = None,
+    ) -> None:
+        if probe is not None and not isinstance(probe, Probe):
+            raise TypeError(
+                f"probe must be a tightfit.paging.probes.Probe (CudaProbe, RSSProbe, FakeProbe), "
+                f"got {type(probe).__name__}."
+            )
+        if restore_margin_bytes is not None and restore_margin_bytes < 0:
+            raise ValueError(f"restore_margin_bytes must be >= 0, got {restore_margin_bytes}.")
+        probe = probe if probe is not None else default_probe(store.device)
+        self.target_bytes = resolve_target(target, probe)
+        self.store = store
+        self.probe = probe
+        self.restore_margin_bytes = restore_margin_bytes
+        self.counts = OccupancyCounts()
+        self.watches: list[PressureWatch] = []
+
+    # -- moves -------------------------------------------------------------------------
+    def relieve(self, need_bytes: int, reason: str) -> int:
+        """Evict at least ``need_bytes`` of state from the device (as far as pages allow).
+
+        Returns:
+            Device bytes freed (0 when nothing is left to evict).
+        """
+        store = self.store
+        if need_bytes <= 0 or not store.materialized or store.resident_bytes() == 0:
+            return 0
+        freed = store.evict_bytes(int(need_bytes), reason)
+        if freed > 0:
+            self.counts.evictions += 1
+            self.counts.evicted_bytes += freed
+            _return_to_os(store)
+        return max(freed, 0)
+
+    def before_step(self) -> None:
+        """Between backward and the update: evict if over the target, else restore lazily."""
+        store = self.store
+        used = self.probe.used_bytes()
+        if not store.materialized:
+            # first step: place only what fits under the target (no moves yet, so no events)
+            room = self.target_bytes - used - self._restore_margin()
+            if store.state_bytes > room:
+                store.limit_device(max(room, store.page_bytes), self._why("first step", used))
+            return
+        if used > self.target_bytes:
+            self.counts.over_target_reads += 1
+            self.relieve(used - self.target_bytes, self._why("over target before step", used))
+            return
+        budget = store.device_budget
+        limit = store.device_limit
+        if limit is None or (budget is not None and limit >= budget):
+            return  # nothing was evicted by pressure
+        room = self.target_bytes - used - self._restore_margin()
+        if room < store.page_bytes:
+            return
+        try:
+            added = store.restore_bytes(int(room), self._why("headroom", used))
+        except torch.OutOfMemoryError as exc:  # the probe was optimistic: stay where we were
+            store.limit_device(limit, f"restore failed: {_short(exc)}")
+            return
+        if budget is None and (store.device_limit or 0) >= store.state_bytes:
+            store.limit_device(None, "pressure passed")  # back to no limit at all
+        if added > 0:
+            self.counts.restores += 1
+            self.counts.restored_bytes += added
+        _return_to_os(store)
+
+    def after_step(self) -> None:
+        """Drop the spill file's pages from this process's RSS after the sweep streamed them."""
+        if self.store.on_cpu and self.store.materialized and self.store.disk_bytes():
+            self.store.spill.release()
+
+    def close(self) -> None:
+        """Remove the hooks of every watch."""
+        for w in self.watches:
+            w.remove()
+
+    # -- watching ----------------------------------------------------------------------
+    def watch(
+        self,
+        model: nn.Module,
+        *,
+        margin_bytes: int | None = None,
+        min_interval_s: float = 0.005,
+        blocks: Iterable[nn.Module] | None = None,
+    ) -> PressureWatch:
+        """Hook ``model``'s blocks so pages drain before a spike passes the target.
+
+        See :class:`~tightfit.paging.pressure.PressureWatch` for the arguments. Returns the
+        watch; ``watch.remove()`` uninstalls it.
+        """
+        w = PressureWatch(
+            model,
+            self.probe,
+            self.target_bytes,
+            self.relieve,
+            margin_bytes=margin_bytes,
+            min_interval_s=min_interval_s,
+            blocks=blocks,
+        )
+        self.watches.append(w)
+        return w
+
+    # -- reporting ---------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float]:
+        """Counts for ``memory_stats()``: moves, bytes, recoveries, target and probe peak."""
+        c = self.counts
+        out: dict[str, int | float] = {
+            "target_bytes": self.target_bytes,
+            "probe_peak_bytes": self.probe.peak_bytes,
+            "evictions": c.evictions,
+            "restores": c.restores,
+            "evicted_bytes": c.evicted_bytes,
+            "restored_bytes": c.restored_bytes,
+            "over_target_reads": c.over_target_reads,
+        }
+        live = [w for w in self.watches if w.active]
+        if live:
+            out["watch_reads"] = sum(w.stats.reads for w in live)
+            out["watch_triggers"] = sum(w.stats.triggers for w in live)
+            out["watch_seconds"] = sum(w.stats.time_s for w in live)
+        return out
+
+    def _restore_margin(self) -> int:
+        if self.restore_margin_bytes is not None:
+            return self.restore_margin_bytes
+        margins = [w.margin_bytes for w in self.watches if w.active]
+        return max([2 * self.store.page_bytes, *margins])
+
+    def _why(self, what: str, used: int) -> str:
+        return (
+            f"{what}: {used / MiB:.1f} MiB in use, target {self.target_bytes / MiB:.1f} MiB"
+        )
+
+
+def recover_from_oom(store: PageStore, exc: BaseException) -> int:
+    """Drain every evictable page so an interrupted step can finish by streaming.
+
+    The device keeps only the streaming window: one page-sized slot, or two when two fit. The
+    store logs the moves; an ``"oom"`` event records the error itself.
+
+    Returns:
+        Device bytes freed.
+    """
+    before = store.device_bytes
+    store.limit_device(store.page_bytes, f"out of memory in step: {_short(exc)}")
+    freed = max(before - store.device_bytes, 0)
+    store.events.record("oom", _short(exc), freed, 0, "device", "disk" if store.on_cpu else "host")
+    _return_to_os(store)
+    return freed
+
+
+def _return_to_os(store: PageStore) -> None:
+    """On the CPU, make freed pages leave the process's RSS, where a probe or cgroup sees it.
+
+    Spill-file pages are synced and unmapped (:meth:`SpillArea.release`); page buffers freed
+    into glibc's heap are handed back with ``malloc_trim`` (a 4 MiB page is under glibc's
+    mmap threshold once that has grown, so ``free`` alone may keep it).
+    """
+    if not store.on_cpu:
+        return
+    store.spill.release()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():  # noqa: ANN202 - a ctypes function or None
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except AttributeError:  # not glibc (e.g. musl)
+        return None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
+from tightfit.distributed.dtensor import local_tensor
 from tightfit.distributed.parallelize import shard_model
 
 
@@ -103,9 +104,13 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def stats_of(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's own per-rank figures (``memory_stats()``), if it has them."""
+    """Per-rank figures: the optimizer's ``memory_stats()`` (if any) and the local elements."""
     fn = getattr(optimizer, "memory_stats", None)
-    return dict(fn()) if fn is not None else {}
+    out = dict(fn()) if fn is not None else {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out["local_elements"] = sum(local_tensor(p).numel() for p in params)
+    out["global_elements"] = sum(p.numel() for p in params)
+    return out
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -144,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not opts.resume_only:
         model, optimizer = _build(opts, info)
+        init = full_params(model)
+        if info.is_main:
+            torch.save(init, os.path.join(opts.out, "init.pt"))
         train(opts, model, optimizer, info, 0, opts.save_at)
         dcp.save(ckpt, model, optimizer, extra={"step": opts.save_at})
         train(opts, model, optimizer, info, opts.save_at, opts.steps)

@@ -14,6 +14,12 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "MemoryTracker": "tightfit.memory.tracker",
+    "prepare": "tightfit.qlora.prepare",
+    "optimizer_for": "tightfit.qlora.optimizer",
+    "PrepareOptions": "tightfit.qlora.options",
+    "LoraOptions": "tightfit.qlora.options",
+    "MemoryReport": "tightfit.memory.report",
+    "measure_report": "tightfit.memory.report",
     "chunked_cross_entropy": "tightfit.loss",
     "enable_chunked_loss": "tightfit.loss",
     "disable_chunked_loss": "tightfit.loss",

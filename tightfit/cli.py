@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # (name, module, one-line help). A module is imported only when its command is built.
 _COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "tightfit.optim.demo", "short paged-optimizer demonstration (prints what was paged)"),
+    ("train", "tightfit.train.cli", "fine-tune with the whole QLoRA memory stack; measured report"),
 ]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import bitsandbytes.functional as bnbF
 import torch
@@ -129,32 +128,21 @@ def memory_pieces_off(model: nn.Module) -> Iterator[None]:
     """Temporarily take the checkpoint plan and the chunked loss off ``model``."""
     from tightfit.checkpoint import apply as ckpt_apply
     from tightfit.checkpoint.blocks import resolve_blocks
+    from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
 
     plan = ckpt_apply.uninstall(model) if ckpt_apply.is_enabled(model) else None
-    chunk_state = _chunked_loss_off(model)
+    chunked = is_chunked_loss_enabled(model)
+    info = getattr(model, "tightfit_info", None)
+    chunk = getattr(getattr(info, "options", None), "loss_chunks", None) or "auto"
+    if chunked:
+        disable_chunked_loss(model)
     try:
         yield
     finally:
         if plan is not None:
             ckpt_apply.install(model, resolve_blocks(model, None), plan)
-        _chunked_loss_on(model, chunk_state)
-
-
-def _chunked_loss_off(model: nn.Module) -> Any:
-    try:
-        from tightfit.loss import disable_chunked_loss
-    except ImportError:
-        return None
-    return disable_chunked_loss(model)
-
-
-def _chunked_loss_on(model: nn.Module, state: Any) -> None:
-    if state is None:
-        return
-    from tightfit.loss import enable_chunked_loss
-
-    chunk = getattr(state, "chunk_tokens", state)
-    enable_chunked_loss(model, chunk_tokens=chunk)
+        if chunked:
+            enable_chunked_loss(model, chunk_tokens=chunk)
 
 
 def step_activation_peak(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:

@@ -57,6 +57,26 @@ class OptimizerOptions:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {v}.")
 
 
+def _find_class(name: str) -> type | None:
+    """``tightfit.optim.<name>``, looked up in the package or its submodules."""
+    import pkgutil
+
+    pkg = importlib.import_module("tightfit.optim")
+    cls = getattr(pkg, name, None)
+    if cls is not None:
+        return cls
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name in ("demo",):
+            continue
+        try:
+            found = getattr(importlib.import_module(f"tightfit.optim.{mod.name}"), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that get gradients (LoRA adapters after :func:`tightfit.prepare`)."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -105,9 +125,7 @@ def optimizer_for(
             "the model has no trainable parameters; prepare it with LoRA "
             "(tightfit.prepare(model, lora={...})) or unfreeze some parameters."
         )
-    cls = None
-    if opts.kind != "adamw":
-        cls = getattr(importlib.import_module("tightfit.optim"), _PAGED[opts.kind], None)
+    cls = _find_class(_PAGED[opts.kind]) if opts.kind != "adamw" else None
     if cls is None and opts.kind == "paged_adamw":
         # The paged optimizer may be absent from a partial build: train with the reference.
         warnings.warn(

@@ -90,7 +90,10 @@ class PrepareOptions:
     )
     checkpoint_budget: int | None = field(
         default=None,
-        metadata={"help": "activation budget in bytes for the 'budget' policy (default: planner's)"},
+        metadata={
+            "help": "activation bytes the 'budget' policy may use, e.g. 64MiB "
+            "(default: half of what no checkpointing needs)"
+        },
     )
     loss_chunks: int | Literal["auto"] | None = field(
         default="auto",

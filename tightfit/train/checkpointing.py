@@ -1,0 +1,181 @@
+"""Atomic training checkpoints and bit-exact resume.
+
+Layout of an output folder::
+
+    out/
+      run_config.json          what the run was (a resume must match it)
+      LATEST                   "checkpoints/step-00000050": the last complete checkpoint
+      checkpoints/step-00000050/
+        adapter/               the LoRA adapter, peft format (adapter_config.json + safetensors)
+        optimizer.pt           the optimizer state (the paged optimizer's own streamed save)
+        trainer_state.pt       step, RNG states, loss/memory history
+
+A checkpoint is written into a temporary folder, renamed into place (a rename is atomic),
+and only then does ``LATEST`` move to it (write a temp file + ``os.replace``); older
+checkpoints are deleted last. A kill at any moment leaves ``LATEST`` naming a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+LATEST = "LATEST"
+CONFIG = "run_config.json"
+
+
+@dataclass
+class Restored:
+    """What a resume reads back."""
+
+    step: int
+    history: list[dict[str, Any]]
+    folder: Path
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The paged optimizer's streamed ``save`` when it has one, else ``torch.save``."""
+    if callable(getattr(optimizer, "save", None)):
+        optimizer.save(path)
+    else:
+        torch.save(optimizer.state_dict(), path)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Inverse of :func:`save_optimizer`."""
+    if callable(getattr(optimizer, "load", None)):
+        optimizer.load(path)
+    else:
+        optimizer.load_state_dict(torch.load(path, weights_only=True))
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step draws from (dropout on CPU and CUDA)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    out: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    history: list[dict[str, Any]],
+    keep: int = 1,
+) -> Path:
+    """Write checkpoint ``step`` atomically and point ``LATEST`` at it.
+
+    Returns:
+        The checkpoint folder.
+    """
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    final = ckdir / name
+    tmp = ckdir / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "adapter")
+    save_optimizer(optimizer, tmp / "optimizer.pt")
+    torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / "trainer_state.pt")
+    if final.exists():  # a re-run of the same step: the old copy is not LATEST's any more
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_text(out / LATEST, f"checkpoints/{name}\n")
+    # Only now is it safe to drop older checkpoints (and any temp folder a kill left behind).
+    done = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and p != final)
+    for old in done[: max(0, len(done) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckdir.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The folder ``LATEST`` names, or ``None`` when there is no complete checkpoint."""
+    pointer = out / LATEST
+    if not pointer.is_file():
+        return None
+    folder = out / pointer.read_text().strip()
+    return folder if (folder / "trainer_state.pt").is_file() else None
+
+
+def load_checkpoint(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Restored:
+    """Load adapter weights, optimizer state and RNG states from a checkpoint folder."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    device = next(model.parameters()).device
+    weights = load_peft_weights(str(folder / "adapter"), device=str(device))
+    result = set_peft_model_state_dict(model, weights)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {str(folder)!r} has adapter weights this model does not have "
+            f"({unexpected[:3]}...); resume with the configuration that wrote it."
+        )
+    load_optimizer(optimizer, folder / "optimizer.pt")
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    set_rng_state(state["rng"])
+    return Restored(int(state["step"]), list(state["history"]), folder)
+
+
+def write_config(out: Path, config: dict[str, Any]) -> None:
+    _atomic_text(out / CONFIG, json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def read_config(out: Path) -> dict[str, Any]:
+    path = out / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(out)!r} has no {CONFIG}: it is not a tightfit train output folder; pass "
+            "the --out folder of an earlier run to --resume."
+        )
+    return json.loads(path.read_text())
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any], free: set[str]) -> list[str]:
+    """Keys whose values differ between two run configs (``free`` keys may differ)."""
+    keys = (set(saved) | set(current)) - free
+    return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def publish_adapter(out: Path, checkpoint: Path) -> Path:
+    """Copy the final checkpoint's adapter to ``out/adapter`` (swap in atomically)."""
+    final = out / "adapter"
+    tmp = out / f".adapter.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(checkpoint / "adapter", tmp)
+    old = out / f".adapter.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

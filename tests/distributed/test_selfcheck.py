@@ -84,6 +84,26 @@ def test_two_rank_checkpoint_resumes_on_one_rank(run) -> None:
     assert _max_diff(_params(run, "resumed_w1"), _params(run, "reference")) <= TOL
 
 
+def test_two_rank_checkpoint_resumes_in_a_plain_process(run) -> None:
+    # No torchrun, no process group: DCP reads the shards into an unwrapped model.
+    from tightfit.distributed import selfcheck
+
+    argv = ["--strategy", request_strategy(run), "--optim", OPTIM, "--out", str(run),
+            "--device", "cpu", "--resume-only"]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun does: intra-op threads only slow tiny ops down
+    try:
+        assert selfcheck.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert _max_diff(_params(run, "resumed_plain"), _params(run, "reference")) <= TOL
+    assert not dist.is_initialized()
+
+
+def request_strategy(out) -> str:
+    return json.loads((out / "report_w2.json").read_text())["options"]["strategy"]
+
+
 def _report(out, world: int) -> dict:
     return json.loads((out / f"report_w{world}.json").read_text())
 

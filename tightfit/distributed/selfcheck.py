@@ -11,7 +11,8 @@ then resumes a fresh model + optimizer from that checkpoint and finishes the run
 also trains an unsharded copy with ``torch.optim.AdamW`` on the whole global batch: the
 reference. It writes ``final``/``resumed``/``reference`` parameters (``.pt``) and a JSON report
 with per-rank optimizer stats to ``--out`` and exits 1 if any run strays beyond ``--tol``.
-``--resume-only`` resumes an existing checkpoint on however many ranks it is launched with.
+``--resume-only`` resumes an existing checkpoint on however many ranks it is launched with, or,
+run with plain ``python -m``, in one process on an unwrapped model.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def train(opts, model, optimizer, info, start: int, stop: int) -> None:
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded parameters on the CPU (rank 0 only; other ranks get ``{}``)."""
+    if not torch.distributed.is_initialized():
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -113,6 +116,22 @@ def stats_of(optimizer: torch.optim.Optimizer) -> dict:
     return out
 
 
+def reference_params(opts: CheckOptions, device: torch.device) -> dict[str, torch.Tensor]:
+    """Single-process ``torch.optim.AdamW`` on whole global batches: the expected result.
+
+    Written to ``out/reference.pt``; a ``--resume-only`` run reuses the file of the full run.
+    """
+    path = os.path.join(opts.out, "reference.pt")
+    if opts.resume_only and os.path.isfile(path):
+        return torch.load(path, weights_only=True)
+    model = tiny_llama(opts.seed, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
+    train(opts, model, optimizer, launch.DistInfo(device=device), 0, opts.steps)
+    reference = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(reference, path)
+    return reference
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest absolute difference over all parameters (keys must match)."""
     if a.keys() != b.keys():
@@ -121,7 +140,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _build(opts, info):
-    model = shard_model(tiny_llama(opts.seed, info.device), opts.strategy)
+    model = tiny_llama(opts.seed, info.device)
+    if info.distributed:  # a plain process (no torchrun) may only resume: see main()
+        model = shard_model(model, opts.strategy)
     return model, make_optimizer(opts, model, info.rank)
 
 
@@ -140,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     info = launch.init_from_env(device=opts.device)
     if opts.batch % info.world_size:
         raise ValueError(f"--batch {opts.batch} must divide by the {info.world_size} ranks")
-    if not info.distributed:
-        raise ValueError("launch with torchrun (even --nproc_per_node 1): shard_model needs it")
+    if not (info.distributed or opts.resume_only):
+        raise ValueError(
+            "launch with torchrun (e.g. --nproc_per_node 2); without it only --resume-only "
+            "runs (an unwrapped model in this one process)"
+        )
     os.makedirs(opts.out, exist_ok=True)
     ckpt = os.path.join(opts.out, "ckpt")
-    tag = f"w{info.world_size}"
+    tag = f"w{info.world_size}" if info.distributed else "plain"
     report: dict = {"options": asdict(opts), "world_size": info.world_size}
 
     if not opts.resume_only:
@@ -172,14 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if info.is_main:
         torch.save(resumed, os.path.join(opts.out, f"resumed_{tag}.pt"))
-        ref_model = tiny_llama(opts.seed, info.device)
-        ref_opt = torch.optim.AdamW(
-            ref_model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay
-        )
-        one = launch.DistInfo(device=info.device)
-        train(opts, ref_model, ref_opt, one, 0, opts.steps)
-        reference = {k: v.detach().cpu() for k, v in ref_model.state_dict().items()}
-        torch.save(reference, os.path.join(opts.out, "reference.pt"))
+        reference = reference_params(opts, info.device)
         report["max_diff_resumed"] = max_diff(resumed, reference)
         if not opts.resume_only:
             report["max_diff_final"] = max_diff(final, reference)

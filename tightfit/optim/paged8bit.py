@@ -216,7 +216,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         sd = torch.optim.Optimizer.state_dict(self)  # param_groups + per-param "step"
         params = self._all_params()
         for i, arrays in self._gather(dequantized).items():
-            entry = sd["state"][i]
+            # torch's state_dict() shares each entry dict with self.state: copy, never mutate
+            entry = sd["state"][i] = dict(sd["state"][i])
             entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
             for name, t in arrays.items():
                 entry[name] = t.view(params[i].shape) if t.numel() == params[i].numel() else t

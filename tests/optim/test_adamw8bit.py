@@ -1,0 +1,256 @@
+"""PagedAdamW8bit / PagedAdam8bit against bitsandbytes' AdamW8bit and torch's AdamW."""
+
+from __future__ import annotations
+
+import os
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from tightfit.optim import quant8
+from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
+
+PAGE = 16 << 10
+SIZES = [20_000, 5000, 100, 9000]  # 100 < 4096: fp32 state, as in bitsandbytes
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/optim/test_adamw.py: a loaded 2-core machine
+    yield
+    torch.set_num_threads(n)
+
+
+def _grads(params: list[torch.Tensor], *others: list[torch.Tensor]) -> None:
+    for i, p in enumerate(params):
+        g = torch.randn_like(p)
+        p.grad = g.clone()
+        for o in others:
+            o[i].grad = g.clone()
+
+
+def _budget(kind: str, opt: PagedAdamW8bit) -> int | None:
+    return {"unlimited": None, "one_page": PAGE, "30%": int(0.3 * opt.pager.state_bytes)}[kind]
+
+
+@pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
+def test_bit_identical_to_bitsandbytes_adamw8bit(budget: str) -> None:
+    ref = [torch.randn(n) for n in SIZES]
+    ours = [p.clone() for p in ref]
+    groups = lambda ps: [  # noqa: E731
+        {"params": [ps[0], ps[2]], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": [ps[1], ps[3]], "lr": 5e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+    ]
+    ref_opt = bnb.optim.AdamW8bit(groups(ref))
+    probe = PagedAdamW8bit(groups([p.clone() for p in ref]), page_bytes=PAGE)
+    opt = PagedAdamW8bit(groups(ours), page_bytes=PAGE, device_budget=_budget(budget, probe))
+    probe.close()
+    for _ in range(12):
+        _grads(ours, ref)
+        opt.step()
+        ref_opt.step()
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if quant8.is_8bit(a.numel()):
+            assert torch.equal(a, b), i  # same kernel on page views: the same bits
+        else:  # fp32 state: torch's fused Adam vs bitsandbytes' 32-bit kernel
+            assert ((a - b).norm() / b.norm()).item() < 1e-6
+    stats = opt.memory_stats()
+    if budget != "unlimited":
+        assert stats["peak_device_bytes"] <= opt.pager.device_budget
+        assert stats["bytes_paged_in"] > 0
+    opt.close()
+
+
+def test_state_bytes_per_param_and_one_page_budget() -> None:
+    n = 600_000
+    p = torch.randn(n)
+    page = 64 << 10
+    opt = PagedAdamW8bit([p], lr=1e-3, page_bytes=page, device_budget=page)
+    p.grad = torch.randn(n)
+    opt.step()
+    stats = opt.memory_stats()
+    # codes + absmax (two fp32 per 256 elements), all of it in the pages
+    assert stats["state_bytes"] / n <= 2.04
+    assert stats["state_bytes"] >= 2 * n + 2 * 4 * quant8.blocks(n)
+    assert stats["peak_device_bytes"] <= page
+    # everything streams: 2 x the state bytes moved (in and out)
+    assert stats["bytes_paged_in"] == stats["bytes_paged_out"] == stats["state_bytes"]
+    opt.close()
+
+
+def _regression(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 64, generator=g)
+    w = torch.randn(64, 96, generator=g) / 8
+    return x, torch.tanh(x @ w) + 0.05 * torch.randn(512, 96, generator=g)
+
+
+def _curve(make_opt, steps: int = 200) -> list[float]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 96))
+    opt = make_opt(model.parameters())
+    x, y = _regression()
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if hasattr(opt, "close"):
+        opt.close()
+    return losses
+
+
+def test_loss_curve_within_2_percent_of_bitsandbytes_and_fp32_adamw() -> None:
+    kw = {"lr": 3e-3, "weight_decay": 0.01}
+    # (paging is bit-neutral: see test_bit_identical_to_bitsandbytes_adamw8bit)
+    ours = _curve(lambda ps: PagedAdamW8bit(ps, **kw))
+    ours_torch = _curve(lambda ps: PagedAdamW8bit(ps, backend="torch", **kw))
+    bnb8 = _curve(lambda ps: bnb.optim.AdamW8bit(ps, **kw))
+    fp32 = _curve(lambda ps: torch.optim.AdamW(ps, **kw))
+    assert ours[-1] < 0.5 * ours[0]  # it trains
+    for other in (bnb8, fp32):
+        assert abs(ours[-1] - other[-1]) <= 0.02 * other[-1]
+        assert abs(ours_torch[-1] - other[-1]) <= 0.02 * other[-1]
+
+
+def test_adam8bit_adds_l2_decay_to_the_gradient() -> None:
+    a = torch.randn(8192)
+    b = a.clone()
+    ours = PagedAdam8bit([a], lr=1e-2, weight_decay=0.1, page_bytes=PAGE)
+    ref = PagedAdamW8bit([b], lr=1e-2, weight_decay=0.0, page_bytes=PAGE)
+    for _ in range(5):
+        g = torch.randn_like(a)
+        a.grad = g.clone()
+        b.grad = torch.add(g, b, alpha=0.1)  # Adam's L2 term, by hand
+        ours.step()
+        ref.step()
+    assert torch.equal(a, b)
+
+
+def test_state_dict_round_trip_is_bit_exact_and_native() -> None:
+    ps = [torch.randn(n) for n in SIZES]
+    opt = PagedAdamW8bit(ps, lr=1e-2, page_bytes=PAGE, device_budget=2 * PAGE)
+    for _ in range(3):
+        _grads(ps)
+        opt.step()
+    sd = opt.state_dict()
+    e = sd["state"][0]
+    assert e["state1"].dtype == torch.uint8 and e["state1"].shape == ps[0].shape
+    assert e["absmax2"].shape == (quant8.blocks(SIZES[0]),) and e["step"].item() == 3
+    assert sd["state"][2]["state1"].dtype == torch.float32  # small param: fp32
+    twin = [p.clone() for p in ps]
+    opt2 = PagedAdamW8bit(twin, lr=0.5, page_bytes=PAGE)  # lr comes from the state dict
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    for _ in range(3):
+        _grads(ps, twin)
+        opt.step()
+        opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, twin))
+    sd1, sd2 = opt.state_dict(), opt2.state_dict()
+    for i in sd1["state"]:
+        for k in sd1["state"][i]:
+            assert torch.equal(sd1["state"][i][k], sd2["state"][i][k]), (i, k)
+    opt.close()
+    opt2.close()
+
+
+def test_torch_format_both_ways() -> None:
+    ps = [torch.randn(n) for n in SIZES]
+    opt = PagedAdamW8bit(ps, lr=1e-2, page_bytes=PAGE)
+    _grads(ps)
+    opt.step()
+    tsd = opt.torch_state_dict()
+    assert set(tsd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    code1, code2 = quant8.dynamic_map(True), quant8.dynamic_map(False)
+    native = opt.state_dict()["state"][0]
+    deq = quant8.dequantize(native["state1"], native["absmax1"], code1)
+    assert torch.equal(tsd["state"][0]["exp_avg"].reshape(-1), deq)
+    # into torch's AdamW and back
+    ref = [p.clone() for p in ps]
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    topt.load_state_dict(tsd)
+    back = PagedAdamW8bit([p.clone() for p in ps], page_bytes=PAGE)
+    back.load_state_dict(topt.state_dict())
+    again = back.state_dict()["state"][0]
+    # re-quantizing dequantized values loses at most about one code step
+    assert torch.equal(again["absmax2"], native["absmax2"])  # unsigned map reaches 1.0
+    for i, code in ((1, code1), (2, code2)):
+        got = quant8.dequantize(again[f"state{i}"], again[f"absmax{i}"], code)
+        want = quant8.dequantize(native[f"state{i}"], native[f"absmax{i}"], code)
+        scale = native[f"absmax{i}"].repeat_interleave(256)[: want.numel()]
+        assert ((got - want).abs() <= 0.03 * scale).all()
+    opt.close()
+    back.close()
+
+
+def test_bf16_params() -> None:
+    p = torch.randn(10_000, dtype=torch.bfloat16)
+    ref = p.float().clone()
+    opt = PagedAdamW8bit([p], lr=1e-2, page_bytes=PAGE)
+    ref_opt = bnb.optim.AdamW8bit([ref], lr=1e-2)
+    for _ in range(3):
+        g = torch.randn(10_000)
+        p.grad = g.bfloat16()
+        ref.grad = g.bfloat16().float()
+        opt.step()
+        ref_opt.step()
+    assert p.dtype == torch.bfloat16
+    assert ((p.float() - ref).norm() / ref.norm()).item() < 1e-2
+    opt.close()
+
+
+def test_close_removes_spill_files(tmp_path) -> None:
+    p = torch.randn(50_000)
+    opt = PagedAdamW8bit([p], page_bytes=PAGE, device_budget=PAGE, spill_dir=tmp_path)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.memory_stats()["disk_bytes"] > 0 and any(tmp_path.rglob("*"))
+    opt.close()
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert os.path.isdir(tmp_path)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"lr": -1.0}, "lr=-1.0 is negative"),
+    ({"betas": (0.9, 1.0)}, r"betas\[1\]"),
+    ({"eps": 0.0}, "eps=0.0 must be > 0"),
+    ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+    ({"backend": "cuda"}, "is not one of"),
+    ({"min_8bit_size": -1}, "min_8bit_size=-1"),
+    ({"device_budget": 100}, "below one page"),
+])
+def test_bad_input(kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        PagedAdamW8bit([torch.randn(5000)], page_bytes=PAGE, **kwargs)
+
+
+def test_bad_state_dict_changes_nothing() -> None:
+    ps = [torch.randn(n) for n in SIZES]
+    opt = PagedAdamW8bit(ps, page_bytes=PAGE)
+    _grads(ps)
+    opt.step()
+    before = opt.state_dict()
+    bad = opt.state_dict()
+    bad["state"][1]["absmax1"] = bad["state"][1]["absmax1"][:-1]
+    bad["param_groups"][0]["lr"] = 123.0
+    with pytest.raises(ValueError, match="absmax1"):
+        opt.load_state_dict(bad)
+    wrong = opt.state_dict()
+    wrong["state"][2]["state1"] = wrong["state"][2]["state1"].to(torch.uint8)  # small: fp32
+    with pytest.raises(ValueError, match="min_8bit_size"):
+        opt.load_state_dict(wrong)
+    other = PagedAdamW8bit([torch.randn(7000)], page_bytes=PAGE)
+    with pytest.raises(ValueError, match="params but the state dict has"):
+        other.load_state_dict(before)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i in before["state"]:
+        for k in before["state"][i]:
+            assert torch.equal(before["state"][i][k], after["state"][i][k])
+    opt.close()
+    other.close()

@@ -1,0 +1,130 @@
+"""PagedSGD against torch.optim.SGD: momentum, dampening, Nesterov, weight decay, budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tightfit.optim.sgd import PagedSGD
+
+PAGE = 16 << 10
+SIZES = [1, 7, 4097, 30_011]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/optim/test_adamw.py: a loaded 2-core machine
+    yield
+    torch.set_num_threads(n)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _groups(ps: list[torch.Tensor], second: dict) -> list[dict]:
+    return [
+        {"params": [ps[0], ps[2]], "lr": 1e-2, "momentum": 0.9, "nesterov": True,
+         "weight_decay": 0.01},
+        {"params": [ps[1], ps[3]], "lr": 5e-3, **second},
+    ]
+
+
+SECOND = {
+    "dampening": {"momentum": 0.8, "dampening": 0.3, "weight_decay": 0.1},
+    "no_momentum": {"momentum": 0.0, "weight_decay": 0.1},
+    "maximize": {"momentum": 0.5, "maximize": True},
+}
+
+
+@pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
+@pytest.mark.parametrize("second", list(SECOND))
+def test_matches_torch_sgd_over_50_steps(budget: str, second: str) -> None:
+    ref = [torch.randn(n) for n in SIZES]
+    ours = [p.clone() for p in ref]
+    limit = {"unlimited": None, "one_page": PAGE, "30%": max(PAGE, int(0.3 * 4 * sum(SIZES)))}
+    opt = PagedSGD(_groups(ours, SECOND[second]), page_bytes=PAGE, device_budget=limit[budget])
+    ref_opt = torch.optim.SGD(_groups(ref, SECOND[second]), foreach=False)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 10, 0.5) for o in (opt, ref_opt)]
+    for step in range(50):
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            if step == 3 and i == 3:
+                a.grad = b.grad = None  # a param without a gradient this step is skipped
+                continue
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(ours, ref))
+    if limit[budget] is not None:
+        assert opt.memory_stats()["peak_device_bytes"] <= limit[budget]
+    # torch's format: momentum buffers match torch's
+    sd, rsd = opt.state_dict(), ref_opt.state_dict()
+    for i, entry in rsd["state"].items():
+        buf = entry.get("momentum_buffer")
+        if buf is not None:
+            assert _rel(sd["state"][i]["momentum_buffer"], buf) <= 1e-6
+    opt.close()
+
+
+def test_state_dicts_both_ways_mid_run() -> None:
+    ref = [torch.randn(n) for n in SIZES]
+    ours = [p.clone() for p in ref]
+    groups = lambda ps: _groups(ps, SECOND["dampening"])  # noqa: E731
+    ref_opt = torch.optim.SGD(groups(ref), foreach=False)
+    for _ in range(3):
+        for p in ref:
+            p.grad = torch.randn_like(p)
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        a.data.copy_(b)
+    opt = PagedSGD(groups(ours), page_bytes=PAGE, device_budget=2 * PAGE)
+    opt.load_state_dict(ref_opt.state_dict())  # torch -> paged (no "step" in torch's entries)
+    for _ in range(5):
+        for a, b in zip(ours, ref):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert all(_rel(a, b) <= 1e-6 for a, b in zip(ours, ref))
+    back = torch.optim.SGD(groups([p.clone() for p in ref]), foreach=False)
+    back.load_state_dict(opt.state_dict())  # paged -> torch
+    assert _rel(back.state_dict()["state"][3]["momentum_buffer"],
+                ref_opt.state_dict()["state"][3]["momentum_buffer"]) <= 1e-6
+    opt.close()
+
+
+def test_no_momentum_means_no_state_pages(tmp_path) -> None:
+    p = torch.randn(10_000)
+    opt = PagedSGD([p], lr=0.1, page_bytes=PAGE, spill_dir=tmp_path)
+    p.grad = torch.ones_like(p)
+    before = p.clone()
+    opt.step()
+    assert torch.allclose(p, before - 0.1)
+    assert opt.memory_stats()["state_bytes"] == 0 and opt.memory_stats()["pages"] == 0
+    opt.close()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"lr": -1.0}, "lr=-1.0 is negative"),
+    ({"momentum": -0.5}, "momentum=-0.5"),
+    ({"weight_decay": -1.0}, "weight_decay=-1.0"),
+    ({"nesterov": True}, "nesterov=True needs momentum > 0"),
+    ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, "dampening = 0"),
+    ({"device_budget": -5}, "negative"),
+])
+def test_bad_input(kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        PagedSGD([torch.randn(5000)], page_bytes=PAGE, **kwargs)
+
+
+def test_sparse_gradients_rejected() -> None:
+    p = torch.randn(100)
+    opt = PagedSGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.randn(100).to_sparse()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    opt.close()

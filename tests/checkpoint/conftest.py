@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +24,16 @@ def tiny_llama(layers: int = 6, hidden: int = 32, dropout: float = 0.0, vocab: i
 def _quiet_use_cache_warning() -> None:
     warnings.filterwarnings("ignore", message="tightfit.checkpoint: setting model.config")
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # These models are tiny: on a shared, loaded machine intra-op threads only spin-wait
+    # (measured 10-20x slower with 2 threads at load 10). Restored after each test.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def loss_and_grads(model: torch.nn.Module, batch: dict, seed: int = 1,

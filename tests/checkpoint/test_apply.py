@@ -31,7 +31,7 @@ def dropout_setup() -> tuple:
     return model, batch, ref
 
 
-@pytest.mark.parametrize("policy", FIXED)
+@pytest.mark.parametrize("policy", FIXED + ["budget"])
 def test_grads_equal_with_dropout(dropout_setup: tuple, policy: str) -> None:
     model, batch, (loss0, g0) = dropout_setup
     budget = None

@@ -5,8 +5,10 @@
 >>> tightfit.checkpoint.disable(model)
 """
 
-from tightfit.checkpoint.api import disable, enable
+from tightfit.checkpoint.api import disable, enable, pareto
 from tightfit.checkpoint.blocks import find_blocks
 from tightfit.checkpoint.plan import POLICIES, Plan, Segment
+from tightfit.checkpoint.profile import BlockCost, Profile, profile
 
-__all__ = ["POLICIES", "Plan", "Segment", "disable", "enable", "find_blocks"]
+__all__ = ["POLICIES", "BlockCost", "Plan", "Profile", "Segment", "disable", "enable",
+           "find_blocks", "pareto", "profile"]

@@ -11,6 +11,8 @@ from torch import nn
 from tightfit.checkpoint import apply
 from tightfit.checkpoint.blocks import resolve_blocks
 from tightfit.checkpoint.plan import Plan, parse_policy, structural_segments
+from tightfit.checkpoint.profile import Profile, profile
+from tightfit.checkpoint.solver import frontier, make_plan
 
 
 def enable(
@@ -21,6 +23,7 @@ def enable(
     example: Mapping[str, Any] | torch.Tensor | None = None,
     blocks: Sequence[nn.Module] | None = None,
     offload: bool = False,
+    profiled: Profile | None = None,
 ) -> Plan:
     """Checkpoint ``model`` according to ``policy`` and return the plan.
 
@@ -38,6 +41,8 @@ def enable(
         blocks: The chain of layers, in forward order; found automatically when ``None``.
         offload: Keep checkpointed segment inputs on the host until backward (CUDA only;
             a no-op on the CPU, noted in the plan).
+        profiled: A :func:`~tightfit.checkpoint.profile` of this model and batch to plan
+            from instead of ``example`` (profile once, try several policies).
 
     Returns:
         The installed :class:`Plan`. Calling ``enable`` again replaces it.
@@ -47,7 +52,7 @@ def enable(
             found, an example the model cannot run. The model is left unchanged.
     """
     name, k = parse_policy(policy)
-    if name == "budget" and (budget is None or example is None):
+    if name == "budget" and (budget is None or (example is None and profiled is None)):
         raise ValueError("policy='budget' needs budget=<bytes> and example=<a batch>; or "
                          "pick a fixed policy such as 'every' or 'sqrt'.")
     if budget is not None and (not isinstance(budget, int) or budget <= 0):
@@ -57,6 +62,9 @@ def enable(
                          "model.gradient_checkpointing_disable() before tightfit.checkpoint."
                          "enable().")
     chain = resolve_blocks(model, blocks)
+    if profiled is not None and len(profiled.blocks) != len(chain):
+        raise ValueError(f"profiled= has {len(profiled.blocks)} blocks but the model's chain has "
+                         f"{len(chain)}; profile this model with the same blocks=.")
     notes: list[str] = []
     if offload and not any(p.is_cuda for p in model.parameters()):
         notes.append("offload=True is a no-op on the CPU: segment inputs already live in host "
@@ -65,14 +73,11 @@ def enable(
     if was_enabled:
         previous = apply.uninstall(model)
     try:
-        if example is None:
+        if example is None and profiled is None:
             segments = structural_segments(name, k, len(chain))
             plan = Plan(policy, segments, offload=offload, notes=tuple(notes))
         else:
-            from tightfit.checkpoint.profile import profile as run_profile
-            from tightfit.checkpoint.solver import make_plan
-
-            prof = run_profile(model, example, blocks=chain)
+            prof = profiled or profile(model, example, blocks=chain)
             plan = make_plan(prof, policy, budget=budget, offload=offload, notes=tuple(notes))
     except BaseException:
         if was_enabled and previous is not None:
@@ -89,6 +94,22 @@ def disable(model: nn.Module) -> Plan | None:
         The plan that was installed, or ``None`` if there was none.
     """
     return apply.uninstall(model)
+
+
+def pareto(
+    model: nn.Module,
+    example: Mapping[str, Any] | torch.Tensor,
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+    points: int = 24,
+) -> list[Plan]:
+    """The memory/recompute frontier of ``model`` on ``example`` (nothing is installed).
+
+    Returns:
+        Budget plans sorted by predicted peak, each with strictly less predicted recompute
+        than the one before it: from the smallest feasible peak to no checkpointing.
+    """
+    return frontier(profile(model, example, blocks=blocks), points=points)
 
 
 def _hf_checkpointing_on(model: nn.Module) -> bool:

@@ -1,0 +1,349 @@
+"""Profiling the chain on an example batch: what each block keeps, and when memory peaks.
+
+One training step is run twice without any checkpointing:
+
+* a **memory pass** under :class:`~tightfit.memory.tracker.MemoryTracker` with a phase mark at
+  every block boundary in forward and backward (backward boundaries are gradient hooks on the
+  blocks' outputs). A saved-tensors hook attributes every storage saved for backward to the
+  block (or the prefix, or the tail after the chain) that first saved it — the exact bytes
+  checkpointing a block would drop;
+* a **timing pass** with forward timers on the blocks (hooks only, no tracking overhead).
+
+The tail — final norm, LM head, loss, as the model really runs them (chunked or not) — is
+profiled as the chain's last, stored segment: its bytes are often most of the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tightfit.checkpoint import apply
+from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.checkpoint.selective import SAVED_OPS
+from tightfit.memory.tracker import MemoryTracker
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """What one block costs in a step without checkpointing (bytes are above step start).
+
+    Attributes:
+        input_bytes: The block's input (the hidden state the chain carries).
+        saved_bytes: Storages it saves for backward that nothing before it saved (its input
+            included when it saves it) — what checkpointing it drops.
+        saves_input: Whether the block itself saves its input.
+        saved_tensors: How many tensors (weights included) it saves for backward. A
+            checkpoint of blocks that save none keeps nothing and is never recomputed.
+        selective_bytes: What a selective checkpoint keeps: every output of a matmul or
+            attention op in the block (torch caches them all, saved for backward or not).
+        selective_unsaved_bytes: The part of ``selective_bytes`` autograd would not save.
+        forward_s: Forward time — the cost of recomputing the block.
+        selective_forward_s: Time of the ops a selective checkpoint does not recompute
+            (``forward_s`` times those ops' share of the block's op time).
+        fwd_start_bytes / fwd_peak_bytes: Live bytes when its forward starts / at its peak.
+        bwd_start_bytes / bwd_peak_bytes: The same for its backward.
+    """
+
+    input_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    saved_tensors: int
+    selective_bytes: int
+    selective_unsaved_bytes: int
+    forward_s: float
+    selective_forward_s: float
+    fwd_start_bytes: int
+    fwd_peak_bytes: int
+    bwd_start_bytes: int
+    bwd_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measurements of one step of ``model`` on one example batch, without checkpointing.
+
+    Attributes:
+        blocks: One :class:`BlockCost` per block, in forward order.
+        prefix_peak_bytes: Peak before the first block (embeddings, masks, rotary tables).
+        tail_peak_bytes: Peak from the last block's output to the loss and back (head + loss).
+        tail_saved_bytes: Bytes the tail saves for backward.
+        tail_forward_s: Forward time of the tail.
+        step_s: Forward + backward time of the step.
+        peak_bytes: Measured peak of the whole step.
+        device: Where it was measured.
+    """
+
+    blocks: tuple[BlockCost, ...]
+    prefix_peak_bytes: int
+    tail_peak_bytes: int
+    tail_saved_bytes: int
+    tail_forward_s: float
+    step_s: float
+    peak_bytes: int
+    device: str
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Per block: outputs of the ops selective checkpointing keeps, and their share of time."""
+
+    def __init__(self, block_of: list[int]) -> None:
+        super().__init__()
+        self.kept: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
+        self.op_s: dict[int, float] = {}  # block -> time of all ops
+        self.kept_s: dict[int, float] = {}  # block -> time of the kept ops
+        self._block_of = block_of
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        dt = time.perf_counter() - t0
+        b = self._block_of[0]
+        self.op_s[b] = self.op_s.get(b, 0.0) + dt
+        if func in SAVED_OPS:
+            self.kept_s[b] = self.kept_s.get(b, 0.0) + dt
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    self.kept.setdefault(st.data_ptr(), (b, st.nbytes()))
+        return out
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    return next((t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
+
+
+def step_loss(model: nn.Module, example: Mapping[str, Any] | torch.Tensor | Sequence) -> torch.Tensor:
+    """Run ``model`` on ``example`` and return a scalar to backpropagate.
+
+    The model's ``.loss`` when it returns one, else the sum of its (first) output tensor.
+    """
+    if isinstance(example, Mapping):
+        out = model(**example)
+    elif isinstance(example, torch.Tensor):
+        out = model(example)
+    elif isinstance(example, list | tuple):
+        out = model(*example)
+    else:
+        raise TypeError(f"example must be a mapping of keyword arguments, a tensor or a tuple "
+                        f"of positional arguments; got {type(example).__name__}.")
+    if hasattr(out, "loss") or (isinstance(out, Mapping) and "loss" in out):
+        loss = out["loss"] if isinstance(out, Mapping) else out.loss
+        if loss is None:
+            raise ValueError("the model returned no loss for the example; include labels, e.g. "
+                             "example={'input_ids': ids, 'labels': ids}.")
+        return loss
+    t = _first_tensor(out)
+    if t is None:
+        raise ValueError(f"the model returned no tensor for the example ({type(out).__name__}).")
+    return t if t.dim() == 0 else t.float().sum()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
+            blocks: Sequence[nn.Module] | None = None, *, repeats: int = 2) -> Profile:
+    """Measure what checkpointing each block of ``model`` would save and cost.
+
+    Runs two training steps (forward + backward) on ``example`` without checkpointing. The
+    model is left as it was: gradients, RNG state and any installed plan are restored.
+
+    Args:
+        model: The model, in the mode it will train in.
+        example: One batch, as for :func:`tightfit.checkpoint.enable`.
+        blocks: The chain; discovered when ``None``.
+        repeats: Timed steps; each block's time is its fastest (the machine may be shared).
+
+    Raises:
+        ValueError: The example batch fails in the model (the original error is chained).
+    """
+    chain = resolve_blocks(model, blocks)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    installed = apply.uninstall(model)
+    grads = [p.grad for p in params]
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            rng = torch.get_rng_state()
+            mem = _memory_pass(model, example, chain, device, params)
+            torch.set_rng_state(rng)
+            runs = [_timing_pass(model, example, chain, device, params)
+                    for _ in range(max(1, repeats))]
+            times = [min(r[0][i] for r in runs) for i in range(len(chain))]
+            tail_s = min(r[1] for r in runs)
+            step_s = min(r[2] for r in runs)
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # the example failed inside the model
+        raise ValueError(f"the example batch failed in the model: {type(e).__name__}: {e}. "
+                         "Pass a batch the model accepts as model(**example) (mapping) or "
+                         "model(example) (tensor), producing a .loss or a tensor.") from e
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        if installed is not None:
+            apply.install(model, chain, installed)
+    costs = []
+    for i, fields in enumerate(mem["blocks"]):
+        share = fields.pop("kept_share")
+        costs.append(BlockCost(forward_s=times[i], selective_forward_s=share * times[i], **fields))
+    return Profile(tuple(costs), mem["prefix_peak"], mem["tail_peak"], mem["tail_saved"], tail_s,
+                   step_s, mem["peak"], str(device))
+
+
+def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device: torch.device,
+                 params: list[nn.Parameter]) -> dict[str, Any]:
+    n = len(chain)
+    for p in params:
+        p.grad = None
+    block_of = [-1]  # which block is running: -1 prefix, n tail
+    saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    inputs: list[tuple[int, int]] = [(0, 0)] * n  # (ptr, nbytes) of each block's input
+    packs = [0] * (n + 2)  # tensors saved per block (index -1 = prefix, n = tail)
+    fwd: dict[int, int] = {}
+    bwd: dict[int, int] = {}
+    handles = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packs[block_of[0]] += 1
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in saved and ptr not in skip and st.nbytes() > 0:
+            saved[ptr] = (block_of[0], st.nbytes())
+        return t
+
+    with MemoryTracker(device) as mt:
+
+        def pre(i: int):
+            def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+                block_of[0] = i
+                mt.mark(f"fwd{i}")
+                fwd[i] = mt.current_bytes
+                x = _first_tensor((args, kwargs))
+                if x is not None:
+                    inputs[i] = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
+            return hook
+
+        def post(i: int):
+            def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+                if i == n - 1:
+                    block_of[0] = n
+                    mt.mark("tail")
+                y = _first_tensor(out)
+                if y is not None and y.requires_grad:
+                    def grad_hook(_g: torch.Tensor) -> None:
+                        mt.mark(f"bwd{i}")
+                        bwd[i] = mt.current_bytes
+                    y.register_hook(grad_hook)
+            return hook
+
+        for i, b in enumerate(chain):
+            handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
+            handles.append(b.register_forward_hook(post(i), with_kwargs=True))
+        recorder = _OpRecorder(block_of)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+                loss = step_loss(model, example)
+            mt.mark("bwd_tail")
+            loss.backward()
+        finally:
+            for h in handles:
+                h.remove()
+    if len(fwd) != n:
+        raise ValueError(f"the forward called {len(fwd)} of the {n} blocks; pass blocks= in the "
+                         "order the model calls them.")
+    phases: dict[str, tuple[int, int]] = {}
+    for ph in mt.phases:
+        peak = max(ph.peak_bytes, phases.get(ph.name, (0, 0))[0])
+        phases[ph.name] = (peak, ph.end_bytes)
+    per_block: list[dict[str, Any]] = []
+    tail_peak = max(phases.get("tail", (0, 0))[0], phases.get("bwd_tail", (0, 0))[0])
+    last_start, last_peak = mt.phases[-1].end_bytes, tail_peak
+    bwd_vals: dict[int, tuple[int, int]] = {}
+    for i in reversed(range(n)):  # a block whose output needs no grad: inherit the later one
+        if i in bwd:
+            last_start, last_peak = bwd[i], phases[f"bwd{i}"][0]
+        bwd_vals[i] = (last_start, last_peak)
+    for i in range(n):
+        mine = {p: nb for p, (b, nb) in saved.items() if b == i}
+        kept = {p: nb for p, (b, nb) in recorder.kept.items() if b == i}
+        op_s = recorder.op_s.get(i, 0.0)
+        per_block.append({
+            "input_bytes": inputs[i][1],
+            "saved_bytes": sum(mine.values()),
+            "saves_input": inputs[i][0] in mine,
+            "saved_tensors": packs[i],
+            "selective_bytes": sum(kept.values()),
+            "selective_unsaved_bytes": sum(nb for p, nb in kept.items() if p not in mine),
+            "kept_share": recorder.kept_s.get(i, 0.0) / op_s if op_s > 0 else 0.0,
+            "fwd_start_bytes": fwd[i],
+            "fwd_peak_bytes": phases[f"fwd{i}"][0],
+            "bwd_start_bytes": bwd_vals[i][0],
+            "bwd_peak_bytes": bwd_vals[i][1],
+        })
+    return {
+        "blocks": per_block,
+        "prefix_peak": phases.get("forward", (0, 0))[0],
+        "tail_peak": tail_peak,
+        "tail_saved": sum(nb for b, nb in saved.values() if b == n),
+        "peak": mt.peak_bytes,
+    }
+
+
+def _timing_pass(model: nn.Module, example: Any, chain: list[nn.Module], device: torch.device,
+                 params: list[nn.Parameter]) -> tuple[list[float], float, float]:
+    n = len(chain)
+    for p in params:
+        p.grad = None
+    starts: dict[int, float] = {}
+    times = [0.0] * n
+    tail_start = [0.0]
+    handles = []
+
+    def pre(i: int):
+        def hook(*_: Any) -> None:
+            _sync(device)
+            starts[i] = time.perf_counter()
+        return hook
+
+    def post(i: int):
+        def hook(*_: Any) -> None:
+            _sync(device)
+            times[i] += time.perf_counter() - starts[i]
+            if i == n - 1:
+                tail_start[0] = time.perf_counter()
+        return hook
+
+    for i, b in enumerate(chain):
+        handles += [b.register_forward_pre_hook(pre(i)), b.register_forward_hook(post(i))]
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step_loss(model, example)
+        _sync(device)
+        tail_s = time.perf_counter() - tail_start[0]
+        loss.backward()
+        _sync(device)
+        step_s = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+        for p in params:
+            p.grad = None
+    with contextlib.suppress(Exception):
+        del loss
+    return times, tail_s, step_s

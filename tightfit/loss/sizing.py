@@ -11,9 +11,14 @@ Where the bytes are, per token and per vocabulary entry (``d`` = bytes of the lo
 * unchunked, HF ``ForCausalLMLoss``: the logits (``d``; HF returns them, so they stay alive
   through backward), the fp32 log-softmax that cross-entropy saves (4), and in backward the
   NLL gradient (4) and the log-softmax gradient (4): ``d + 12``.
-* chunked, ``"precompute"``: one fp32 buffer that becomes the loss gradient in place (4),
-  plus, below fp32, the logits before upcasting and the gradient cast back (``2d``, not at
-  the same time for a plain ``nn.Linear``): 4 for fp32, 6 for bf16 (8 for other heads).
+* chunked, ``"precompute"``, plain ``nn.Linear`` head: one fp32 buffer that becomes the loss
+  gradient in place (4), plus below fp32 the logits before upcasting or the gradient cast
+  back (``d``): 4 for fp32, 6 for bf16.
+* chunked, another head module (peft LoRA, 4-bit): the module's own logits-sized
+  temporaries come on top; fitted to peft's LoRA Linear, measured 12 for fp32 and 14 for
+  bf16 (``3d`` and ``4 + 5d``). A 4-bit base adds its dequantized weight.
+* chunked, ``"recompute"``: autograd's cross-entropy per chunk (log-softmax, NLL gradient,
+  log-softmax gradient): 12, plus ``2d`` for a module head.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
 MIN_AUTO_CHUNK_TOKENS = 64
 
 _LOSS_FP32 = 4  # the loss is always computed on fp32 logits
+_ROW_VECTORS = 64  # bytes per chunk row of per-row vectors (max, sum, lse, target, masks)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -55,13 +61,21 @@ def chunk_bytes_per_token(
     """Bytes one token of a chunk holds at the chunk's peak (logits and their copies)."""
     d = _dtype_bytes(dtype)
     if strategy == "recompute":
-        per_vocab = d + 3 * _LOSS_FP32  # autograd's cross-entropy, recomputed per chunk
-    elif d == _LOSS_FP32:
-        per_vocab = _LOSS_FP32
+        # autograd's cross-entropy on the recomputed chunk: the saved fp32 log-softmax, the
+        # NLL gradient and the log-softmax gradient (the logits themselves are not saved)
+        per_vocab = 3 * _LOSS_FP32
+        if head_kind != "linear":
+            per_vocab += 2 * d
     elif head_kind == "linear":
-        per_vocab = d + _LOSS_FP32  # logits freed once upcast; gradient cast after
+        # one fp32 buffer; below fp32 also the logits (freed once upcast), then the gradient
+        # cast back (after the fp32 buffer is freed): 4 for fp32, 6 for bf16
+        per_vocab = _LOSS_FP32 if d == _LOSS_FP32 else _LOSS_FP32 + d
+    elif d == _LOSS_FP32:
+        # a module head keeps its own temporaries: peft's LoRA forward adds its low-rank
+        # output to the base output (two more logits-sized tensors); measured 12
+        per_vocab = 3 * d
     else:
-        per_vocab = 2 * d + _LOSS_FP32  # the module's logits stay alive for its backward
+        per_vocab = _LOSS_FP32 + 5 * d  # same for bf16/fp16, measured 14
     return vocab_size * per_vocab
 
 
@@ -100,26 +114,29 @@ def predict_head_loss_bytes(
     d = _dtype_bytes(dtype)
     n = seq_len * batch
     grad_hidden = n * hidden_size * d
-    labels = 2 * n * 8  # the shifted int64 labels and their validity mask
+    labels = 3 * n * 8  # the padded, shifted and flattened int64 labels (HF copies them)
     dequant = vocab_size * hidden_size * d if head_kind == "4bit" else 0
+    # a module head (LoRA) also saves its low-rank activations and sums two input gradients
+    module_extra = 3 * grad_hidden if head_kind != "linear" else 0
     if chunk_tokens is None:
         ce_stage = n * vocab_size * (d + 3 * _LOSS_FP32)
         # the head's own backward: logits still alive, their gradient, and the param grads
         matmul_stage = 2 * n * vocab_size * d + grad_hidden + trainable_head_numel * d
-        return labels + dequant + max(ce_stage, matmul_stage)
+        return labels + dequant + module_extra + max(ce_stage, matmul_stage)
     _check_positive(chunk_tokens=chunk_tokens)
     c = min(chunk_tokens, n)
+    labels += c * _ROW_VECTORS
     per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, strategy=strategy)
     if strategy == "recompute":
-        # torch.split's backward holds every chunk's hidden gradient, then concatenates them;
-        # AccumulateGrad adds each chunk's parameter gradient to .grad
-        params = 2 * trainable_head_numel * d
-        return labels + dequant + 2 * grad_hidden + params + c * per_token
+        # AccumulateGrad adds each chunk's parameter gradient into .grad (param dtype)
+        grads = trainable_head_numel * d
+        chunk_stage = max(c * per_token, c * vocab_size * d + trainable_head_numel * d)
+        return labels + dequant + module_extra + grad_hidden + grads + chunk_stage
     acc = trainable_head_numel * _LOSS_FP32  # fp32 gradient accumulators
     # below fp32 the weight-gradient matmul of a chunk lands in a temporary of the param dtype
     transient = trainable_head_numel * d if (d < _LOSS_FP32 or head_kind != "linear") else 0
     chunk_stage = max(c * per_token, c * vocab_size * d + transient)
-    return labels + dequant + grad_hidden + acc + chunk_stage
+    return labels + dequant + module_extra + grad_hidden + acc + chunk_stage
 
 
 def auto_chunk_tokens(

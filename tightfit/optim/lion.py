@@ -57,7 +57,12 @@ def _check_lion(group: dict[str, Any]) -> None:
         raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 0.01)")
 
 
-def _lion_groups(group: dict[str, Any], params, grads, exp_avgs) -> None:  # noqa: ANN001
+def _lion_group(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+) -> None:
     beta1, beta2 = group["betas"]
     lion_update_(
         params,
@@ -111,8 +116,15 @@ class PagedLion(PagedOptimizer):
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
         return [StateSpec("exp_avg", torch.float32)]
 
-    def _update(self, group, params, grads, states, steps) -> None:  # noqa: ANN001
-        _lion_groups(group, params, grads, states["exp_avg"])
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        _lion_group(group, params, grads, states["exp_avg"])
 
 
 class PagedLion8bit(Paged8bitOptimizer):
@@ -158,5 +170,12 @@ class PagedLion8bit(Paged8bitOptimizer):
         beta1, beta2 = group["betas"]
         return float(beta1), float(beta2), 0.0, float(group["weight_decay"])
 
-    def _update_fp32(self, group, params, grads, states, steps) -> None:  # noqa: ANN001
-        _lion_groups(group, params, grads, states["state1"])
+    def _update_fp32(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        _lion_group(group, params, grads, states["state1"])

@@ -258,6 +258,9 @@ def _apply_checkpoint(
         return None
     from tightfit import checkpoint as ckpt
 
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "use_cache", False):
+        cfg.use_cache = False  # a KV cache is for generation; recompute would write it twice
     example = _move_example(example, dev)
     if example is not None and isinstance(example, Mapping) and "labels" not in example:
         example = {**example, "labels": example["input_ids"]}

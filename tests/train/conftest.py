@@ -1,0 +1,14 @@
+"""Tiny models here: one torch thread (a second buys nothing and stalls on a busy machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

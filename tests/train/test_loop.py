@@ -1,0 +1,151 @@
+"""tightfit train end to end: loss falls, resume is bit-exact, saves are atomic, bad input
+fails before anything is written."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tightfit.cli import main
+from tightfit.qlora.optimizer import OptimizerOptions
+from tightfit.qlora.options import LoraOptions
+from tightfit.train import checkpointing as ck
+from tightfit.train.loop import RunConfig, TrainOptions, train
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def _cfg(out: Path, model: Path | None, **train_kw) -> RunConfig:
+    kw = {"batch_size": 2, "seq_len": 32, "steps": 4, "save_every": 2, "track_every": 2}
+    kw.update(train_kw)
+    return RunConfig(
+        train=TrainOptions(model=None if model is None else str(model), out=str(out), **kw),
+        lora=LoraOptions(r=4, alpha=8, dropout=0.1),  # dropout: resume must restore the RNG
+        optimizer=OptimizerOptions(lr=1e-2),
+    )
+
+
+def _adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def test_default_run_finishes_loss_falls_and_writes_everything(tmp_path) -> None:
+    cfg = RunConfig(train=TrainOptions(out=str(tmp_path / "run"), steps=8, batch_size=4,
+                                       seq_len=64, save_every=4, track_every=4))
+    logs: list[str] = []
+    result = train(cfg, progress=False, log=logs.append)
+    assert any("RANDOM weights" in line for line in logs)
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+    out = result.out
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                 "report.json", "report.md", "memory_report.png", "memory_timeline.png",
+                 "loss_curve.png", "run_config.json", "LATEST"):
+        assert (out / name).is_file(), name
+    latest = ck.latest_checkpoint(out)
+    assert latest is not None and latest.name == "step-00000008"
+    assert (latest / "optimizer.pt").is_file()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000008"]
+    report = json.loads((out / "report.json").read_text())
+    names = [p["name"] for p in report["pieces"]]
+    assert names == ["base weights", "quantization constants", "trainable params + grads",
+                     "activations", "optimizer state"]
+    peaks = [h["activation_peak"] for h in result.history if h["activation_peak"] is not None]
+    assert len(peaks) == 2 and all(p > 0 for p in peaks)
+
+
+def test_stop_at_k_and_resume_equals_uninterrupted_bit_for_bit(tmp_path, tiny_dir) -> None:
+    full = train(_cfg(tmp_path / "full", tiny_dir, steps=6), progress=False, log=lambda s: None)
+    part = _cfg(tmp_path / "part", tiny_dir, steps=3)
+    train(part, progress=False, log=lambda s: None)
+    resumed = train(replace(part, train=replace(part.train, steps=6, resume=str(tmp_path / "part"))),
+                    progress=False, log=lambda s: None)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+    a, b = _adapter(full.out), _adapter(resumed.out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the optimizer state files (the paged optimizer's streamed format) are identical too
+    fa = (ck.latest_checkpoint(full.out) / "optimizer.pt").read_bytes()
+    fb = (ck.latest_checkpoint(resumed.out) / "optimizer.pt").read_bytes()
+    assert fa == fb
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, tiny_dir, monkeypatch) -> None:
+    out = tmp_path / "run"
+    real = ck.save_optimizer
+    calls = {"n": 0}
+
+    def dying_save(opt, path):  # the process "dies" while writing the second checkpoint
+        calls["n"] += 1
+        if calls["n"] == 2:
+            path.write_bytes(b"half a file")
+            raise KeyboardInterrupt
+        real(opt, path)
+
+    monkeypatch.setattr(ck, "save_optimizer", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(out, tiny_dir), progress=False, log=lambda s: None)
+    assert ck.latest_checkpoint(out) == out / "checkpoints" / "step-00000002"
+    monkeypatch.setattr(ck, "save_optimizer", real)
+    result = train(_cfg(out, tiny_dir, resume=str(out)), progress=False, log=lambda s: None)
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_bad_input_fails_before_anything_is_written(tmp_path, tiny_dir) -> None:
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="longer than the model allows"):
+        train(_cfg(out, tiny_dir, seq_len=128), progress=False, log=lambda s: None)
+    bad_lora = replace(_cfg(out, tiny_dir), lora=LoraOptions(target_modules="nope_proj"))
+    with pytest.raises(ValueError, match="match no linear layer"):
+        train(bad_lora, progress=False, log=lambda s: None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no training text"):
+        train(_cfg(out, tiny_dir, data=str(empty)), progress=False, log=lambda s: None)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(_cfg(out, tmp_path / "no-model"), progress=False, log=lambda s: None)
+    assert not out.exists()
+
+    done = tmp_path / "done"
+    train(_cfg(done, tiny_dir, steps=2), progress=False, log=lambda s: None)
+    before = {p: p.stat().st_mtime_ns for p in done.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(_cfg(done, tiny_dir, steps=2), progress=False, log=lambda s: None)
+    other = replace(_cfg(done, tiny_dir, steps=4, resume=str(done)),
+                    optimizer=OptimizerOptions(lr=5e-3))
+    with pytest.raises(ValueError, match="optimizer.lr"):
+        train(other, progress=False, log=lambda s: None)
+    assert before == {p: p.stat().st_mtime_ns for p in done.rglob("*") if p.is_file()}
+
+
+def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
+    out = tmp_path / "cli"
+    rc = main(["train", "--model", str(tiny_dir), "--out", str(out), "--steps", "2",
+               "--batch-size", "2", "--seq-len", "16", "--checkpoint", "every",
+               "--loss-chunks", "8", "--optimizer", "paged_adamw", "--device-budget", "none",
+               "--lora-r", "2", "--lora-target-modules", "q_proj,v_proj"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "quantization constants" in text and "adapter" in text
+    cfg = json.loads((out / "run_config.json").read_text())
+    assert cfg["lora.target_modules"] == ["q_proj", "v_proj"] and cfg["prepare.loss_chunks"] == 8
+    rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "x"),
+               "--seq-len", "4096"])
+    assert rc == 2
+    assert "longer than the model allows" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""Will this fine-tune fit? Predict every piece of device memory, then recommend a setup.
+
+Examples::
+
+    tightfit plan --model llama-2-7b --gpu 24GiB --seq-len 2048
+    tightfit plan --model path/to/config.json --gpu 80GB --batch 4 --json
+    tightfit plan --model tiny.json --gpu 256MiB --seq-len 128 --verify
+
+``--verify`` (small configs only) runs one real step of every configuration on this
+machine and prints predicted vs measured bytes per piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tightfit.memory.estimate import ALL_LINEAR
+
+_VERIFY_MAX_PARAMS = 60_000_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tightfit plan``."""
+    from tightfit.memory.presets import PRESETS
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--model", required=True, metavar="CONFIG|PRESET",
+                        help="an HF config.json (or its folder) or a preset: " + ", ".join(PRESETS))
+    parser.add_argument("--gpu", default="24GiB", metavar="SIZE",
+                        help="device memory, e.g. 24GiB, 80GB (default: 24GiB)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
+    parser.add_argument("--lora-targets", default="all-linear",
+                        help="comma-separated linear names or all-linear (default)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="compute dtype (default: bf16)")
+    parser.add_argument("--overhead", default="1GiB", metavar="SIZE",
+                        help="fixed non-tensor device memory: CUDA context, workspaces (default: 1GiB)")
+    parser.add_argument("--slack", type=float, default=0.05,
+                        help="allocator slack as a fraction of tensor bytes (default: 0.05)")
+    parser.add_argument("--gpu-tflops", type=float, default=100.0,
+                        help="effective TFLOP/s, for the paging slowdown estimate (default: 100)")
+    parser.add_argument("--link-gbps", type=float, default=20.0,
+                        help="host<->device GB/s, for the paging slowdown estimate (default: 20)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--verify", action="store_true",
+                        help="small configs only: run one real step of each configuration on "
+                        "this machine and print predicted vs measured bytes per piece")
+
+
+def _targets(text: str) -> tuple[str, ...] | None:
+    if text.strip() in ("", "all-linear"):
+        return None
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in ALL_LINEAR]
+    if bad:
+        raise ValueError(f"--lora-targets: unknown {bad}; choose from {', '.join(ALL_LINEAR)}.")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tightfit plan``: print the table (or JSON), optionally verified."""
+    from tightfit.memory.plan import plan
+
+    report = plan(
+        args.model, args.gpu, seq_len=args.seq_len, batch=args.batch, lora_r=args.lora_r,
+        lora_targets=_targets(args.lora_targets), compute_dtype=args.dtype,
+        overhead=args.overhead, slack=args.slack, gpu_tflops=args.gpu_tflops,
+        link_gbps=args.link_gbps,
+    )
+    if args.verify and report.shape.num_params() > _VERIFY_MAX_PARAMS:
+        raise ValueError(
+            f"--verify runs every configuration for real on this machine; {report.shape.name} "
+            f"has {report.shape.num_params() / 1e6:.0f} M parameters (limit "
+            f"{_VERIFY_MAX_PARAMS / 1e6:.0f} M). Pass a small config.json of the same family."
+        )
+    verified = None
+    if args.verify:
+        from tightfit.memory.plan_verify import verify_report
+
+        verified = verify_report(report)
+    if args.json:
+        out = report.to_dict()
+        if verified is not None:
+            out["verify"] = verified
+        print(json.dumps(out, indent=2))
+        return 0
+    print(report)
+    if verified is not None:
+        from tightfit.memory.plan_verify import format_verify
+
+        print()
+        print(format_verify(verified))
+    return 0

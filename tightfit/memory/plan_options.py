@@ -1,0 +1,41 @@
+"""The ``tightfit train`` options that select a planned configuration.
+
+The flag names are those ``tightfit train`` generates from its option dataclasses
+(:mod:`tightfit.qlora.options`, :mod:`tightfit.qlora.optimizer`, :mod:`tightfit.train.loop`).
+"""
+
+from __future__ import annotations
+
+from tightfit.memory.estimate import ALL_LINEAR, TrainSetup
+
+_DTYPE_FLAG = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_OPTIMIZER_FLAG = {
+    "adamw": "adamw",
+    "adamw8bit": "paged_adamw8bit",  # tightfit's 8-bit AdamW is the paged one
+    "paged_adamw": "paged_adamw",
+    "paged_adamw8bit": "paged_adamw8bit",
+}
+
+
+def train_args(setup: TrainSetup) -> tuple[str, ...]:
+    """Command-line options of ``tightfit train`` for ``setup`` (model/data not included)."""
+    args = [
+        "--seq-len", str(setup.seq_len),
+        "--batch-size", str(setup.batch),
+        "--compute-dtype", _DTYPE_FLAG[setup.compute_dtype],
+        "--quant", "nf4" if setup.quant == "nf4" else "none",
+    ]
+    if setup.quant == "nf4":
+        args.append("--double-quant" if setup.double_quant else "--no-double-quant")
+    args += ["--lora-r", str(setup.lora_r)]
+    if tuple(setup.lora_targets) != ALL_LINEAR:
+        args += ["--lora-target-modules", ",".join(setup.lora_targets)]
+    args += ["--checkpoint", setup.checkpoint]
+    if setup.checkpoint == "budget" and setup.checkpoint_budget:
+        args += ["--checkpoint-budget", str(setup.checkpoint_budget)]
+    args += ["--loss-chunks",
+             "none" if setup.loss_chunk_tokens is None else str(setup.loss_chunk_tokens)]
+    args += ["--optimizer", _OPTIMIZER_FLAG[setup.optimizer]]
+    if setup.paged and setup.optimizer_device_budget is not None:
+        args += ["--device-budget", str(setup.optimizer_device_budget)]
+    return tuple(args)

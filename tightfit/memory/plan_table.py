@@ -1,0 +1,88 @@
+"""Render a :class:`~tightfit.memory.plan.PlanReport` as the table ``tightfit plan`` prints."""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+from tightfit.memory.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from tightfit.memory.plan import PlanReport
+
+_COLUMNS = (
+    ("weights", "weights"),
+    ("consts", "constants"),
+    ("LoRA", "lora"),
+    ("grads", "grads"),
+    ("optim", "optimizer"),
+    ("activ", "activations"),
+    ("logits", "logits_loss"),
+    ("overhd", "overhead"),
+)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f}"
+
+
+def render(report: PlanReport) -> str:
+    """The plan as text: model line, per-configuration table (GiB), recommendation."""
+    s = report.shape
+    rows = report.rows
+    setup = rows[0].setup if rows else None
+    lines = [
+        f"model {s.name}: {s.num_params() / 1e9:.2f} B params, {s.layers} layers, hidden "
+        f"{s.hidden}, intermediate {s.intermediate}, heads {s.heads}/{s.kv_heads} kv, vocab "
+        f"{s.vocab}{', tied embeddings' if s.tie_embeddings else ''}",
+    ]
+    if setup is not None:
+        lines.append(
+            f"step: batch {setup.batch} x {setup.seq_len} tokens, {setup.compute_dtype} compute, "
+            f"LoRA r={setup.lora_r} on {len(setup.lora_targets)} linears/layer "
+            f"({setup.adapter_dtype} adapters), AdamW"
+        )
+    lines.append(f"device: {format_bytes(report.gpu_bytes)}   (all sizes below in GiB)")
+    lines.append("")
+    name_w = max([len(r.name) for r in rows] + [13]) + 1
+    header = f"{'#':>2} {'configuration':<{name_w}}" + "".join(f"{c:>8}" for c, _ in _COLUMNS)
+    header += f"{'total':>8}  {'fits':<4} {'slowdown':>8}"
+    lines += [header, "-" * len(header)]
+    for i, r in enumerate(rows, 1):
+        p = r.estimate.pieces()
+        mark = "*" if r is report.recommended else " "
+        line = f"{i:>2}{mark}{r.name:<{name_w}}" + "".join(f"{_gib(p[k]):>8}" for _, k in _COLUMNS)
+        line += f"{_gib(r.estimate.total):>8}  {'yes' if r.fits else 'NO':<4} {r.slowdown:>7.2f}x"
+        lines.append(line)
+    lines.append("")
+    for i, r in enumerate(rows, 1):
+        e = r.estimate
+        extra = []
+        if e.segments and r.setup.checkpoint != "none":
+            ck = sum(b - a for a, b, c in e.segments if c)
+            extra.append(f"checkpoint {r.setup.checkpoint}: {ck}/{s.layers} layers recomputed "
+                         f"in {sum(c for _, _, c in e.segments)} segments")
+        if r.setup.loss_chunk_tokens:
+            extra.append(f"loss in chunks of {r.setup.loss_chunk_tokens} tokens")
+        if e.optimizer_offloaded:
+            extra.append(f"optimizer {format_bytes(e.optimizer_offloaded)} on the host, "
+                         f"{format_bytes(r.paging_bytes_per_step)}/step paged")
+        if extra:
+            lines.append(f"{i:>2}: " + "; ".join(extra))
+    lines.append("")
+    if report.recommended is None:
+        smallest = min(rows, key=lambda r: r.estimate.total)
+        lines.append(
+            f"nothing fits: the smallest configuration ({smallest.name}) needs "
+            f"{format_bytes(smallest.estimate.total)} of {format_bytes(report.gpu_bytes)}; "
+            "try a shorter --seq-len, a smaller --batch or a larger --gpu."
+        )
+    else:
+        r = report.recommended
+        headroom = report.gpu_bytes - r.estimate.total
+        lines.append(f"recommended: #{rows.index(r) + 1} {r.name} — "
+                     f"{format_bytes(r.estimate.total)} predicted, "
+                     f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time")
+        lines.append("  tightfit train --model DIR " + " ".join(shlex.quote(a) for a in r.train_args))
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)

@@ -1,0 +1,340 @@
+"""Prove the memory model: run one real step of a configuration and measure each piece.
+
+``tightfit plan --verify`` and the tests build a small Llama-architecture model from its
+shape (random weights, nothing downloaded), stack the pieces a :class:`TrainSetup` names,
+run forward + backward + optimizer step under :class:`~tightfit.memory.MemoryTracker`, and
+count tensors:
+
+* weights / constants / LoRA — bytes of the storages of the base weights, of the
+  bitsandbytes quantization state, of the adapter parameters;
+* grads — bytes of ``p.grad`` after backward; optimizer — bytes of the optimizer state;
+* activations — the tracker's peak over forward + backward minus the gradients allocated
+  in it (the peak of everything the step allocates beyond weights and gradients);
+* logits/loss — the head + loss run alone on random hidden states, peak minus the
+  gradient of those hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tightfit.memory.activations import Segment, policy_segments
+from tightfit.memory.estimate import Overhead, TrainSetup, estimate
+from tightfit.memory.presets import ModelShape
+from tightfit.memory.tracker import MemoryTracker
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured bytes per piece of one real training step (tensors only)."""
+
+    weights: int
+    constants: int
+    lora: int
+    grads: int
+    optimizer: int
+    activation_peak: int
+    logits_loss: int
+    segments: tuple[Segment, ...]
+
+
+def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_embeddings,
+        attention_bias=shape.qkv_bias,
+        max_position_embeddings=shape.max_positions,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
+    """Replace the decoder layers' linears by bitsandbytes 4-bit / 8-bit layers."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                bias = child.bias is not None
+                if setup.quant == "nf4":
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
+                                          compute_dtype=dtype,
+                                          compress_statistics=setup.double_quant,
+                                          quant_type="nf4")
+                    q.weight = bnb.nn.Params4bit(
+                        child.weight.data.contiguous(), requires_grad=False,
+                        blocksize=setup.blocksize, compress_statistics=setup.double_quant,
+                        quant_type="nf4")._quantize(child.weight.device)
+                else:
+                    q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias,
+                                            has_fp16_weights=False)
+                    q.weight = bnb.nn.Int8Params(child.weight.data.contiguous(),
+                                                 requires_grad=False, has_fp16_weights=False)
+                    q = q.to(child.weight.device)
+                if bias:
+                    q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q)
+
+
+def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
+    """A random-weight Llama-architecture model with the pieces of ``setup`` stacked."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    dtype = _TORCH_DTYPES[setup.compute_dtype]
+    model = _llama(shape, dtype)
+    if setup.quant != "none":
+        _quantize(model, setup, dtype)
+    lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r,
+                      target_modules=list(setup.lora_targets), lora_dropout=setup.lora_dropout)
+    model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
+    if setup.adapter_dtype != "fp32":
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.to(_TORCH_DTYPES[setup.adapter_dtype])
+    return model
+
+
+def _storages(tensors) -> int:  # noqa: ANN001
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if qs is not None:
+            out += [qs.absmax, qs.code]
+            if qs.state2 is not None:
+                out += [qs.offset, qs.state2.absmax, qs.state2.code]
+        scb = getattr(w, "SCB", None)
+        if scb is not None:
+            out.append(scb)
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _apply_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
+    """Checkpoint the decoder layers segment by segment (non-reentrant torch.utils.checkpoint).
+
+    A stand-in for :mod:`tightfit.checkpoint` with the same segments; undone by
+    :func:`_remove_segments`.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    layers = model.get_base_model().model.layers
+    _remove_segments(model)
+    for start, stop, ck in segments:
+        if not ck:
+            continue
+        block = list(layers[start:stop])
+        forwards = [layer.forward for layer in block]
+
+        def run(hidden, *args, _fwds=forwards, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            def segment(hs):  # noqa: ANN001
+                for f in _fwds:
+                    hs = f(hs, *args, **kwargs)
+                return hs
+
+            return checkpoint(segment, hidden, use_reentrant=False)
+
+        block[0].forward = run
+        for layer in block[1:]:
+            layer.forward = lambda hidden, *a, **k: hidden
+
+
+def _remove_segments(model: nn.Module) -> None:
+    for layer in model.get_base_model().model.layers:
+        layer.__dict__.pop("forward", None)
+
+
+def _optimizer(params: list[nn.Parameter], setup: TrainSetup) -> torch.optim.Optimizer:
+    if setup.optimizer in ("adamw", "paged_adamw"):
+        return torch.optim.AdamW(params, lr=1e-4)
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=1e-4)
+
+
+def measure_head_loss(shape: ModelShape, setup: TrainSetup, model: nn.Module) -> int:
+    """Peak bytes of the LM head + loss alone (forward + backward) on random hidden states."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    base = model.get_base_model()
+    dtype = _TORCH_DTYPES[setup.compute_dtype]
+    hidden = torch.randn(setup.batch, setup.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
+    with MemoryTracker("cpu") as mt:
+        logits = base.lm_head(hidden)
+        loss = ForCausalLMLoss(logits, labels, shape.vocab)
+        if not setup.keep_logits:
+            del logits
+        loss.backward()
+        del loss
+    return mt.peak_bytes
+
+
+def measure(shape: ModelShape, setup: TrainSetup,
+            plans: dict[str, tuple[Segment, ...]] | None = None, *, seed: int = 0
+            ) -> dict[str, Measurement]:
+    """Run real training steps of ``setup`` on the CPU and measure every piece.
+
+    One model is built; each checkpoint plan in ``plans`` (name → segments; default: the
+    setup's own structural policy) gets one forward + backward on the same batch. The
+    gradients exist before the measured step (as after ``zero_grad(set_to_none=False)``),
+    so the activation peak is what the step allocates beyond weights and gradients.
+
+    Args:
+        shape: A small architecture (this allocates it for real).
+        setup: The pieces and the batch.
+        plans: Checkpoint plans to measure, e.g. ``{"every": policy_segments("every", n)}``.
+        seed: Seed of the random weights and batch.
+    """
+    if setup.loss_chunk_tokens is not None:
+        raise ValueError("measuring the chunked loss needs tightfit.loss; use loss_chunk_tokens=None.")
+    if plans is None:
+        plans = {setup.checkpoint: policy_segments(setup.checkpoint, shape.layers)}
+    model = build_model(shape, setup, seed=seed)
+    model.train()
+    consts = _quant_state_tensors(model)
+    const_ptrs = {t.untyped_storage().data_ptr() for t in consts}
+    lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+    lora_ptrs = {p.untyped_storage().data_ptr() for p in lora_params}
+    base = [t for t in [*model.parameters(), *model.buffers()]
+            if t.untyped_storage().data_ptr() not in lora_ptrs | const_ptrs]
+    for p in lora_params:
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
+    peaks: dict[str, int] = {}
+    for name, segments in plans.items():
+        _apply_segments(model, segments)
+        with MemoryTracker("cpu") as mt:
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss
+            if not setup.keep_logits:
+                del out
+            mt.mark("backward")
+            loss.backward()
+            del loss
+            if setup.keep_logits:
+                del out
+        peaks[name] = mt.peak_bytes
+    _remove_segments(model)
+    grads = _storages(p.grad for p in lora_params)
+    opt = _optimizer(lora_params, setup)
+    opt.step()
+    state = _storages(v for s in opt.state.values() for v in s.values())
+    head = measure_head_loss(shape, setup, model)
+    return {
+        name: Measurement(
+            weights=_storages(base),
+            constants=_storages(consts),
+            lora=_storages(lora_params),
+            grads=grads,
+            optimizer=state,
+            activation_peak=peaks[name],
+            logits_loss=head,
+            segments=tuple(plans[name]),
+        )
+        for name in plans
+    }
+
+
+def compare(shape: ModelShape, setup: TrainSetup, policies: tuple[str, ...] = ("none",)
+            ) -> dict[str, list[tuple[str, int, int]]]:
+    """``{policy: [(piece, predicted, measured)]}`` — one model, one real step per policy.
+
+    ``"budget"`` uses ``setup.checkpoint_budget`` and the plan the memory model solves for
+    it; the others are structural. Pieces that are zero on both sides are left out.
+    """
+    plans: dict[str, tuple[Segment, ...]] = {}
+    for policy in policies:
+        est = estimate(shape, setup.with_(checkpoint=policy), Overhead(fixed_bytes=0, fraction=0.0))
+        plans[policy] = est.segments
+    measured = measure(shape, setup, plans)
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    for policy, m in measured.items():
+        est = estimate(shape, setup.with_(checkpoint=policy), Overhead(fixed_bytes=0, fraction=0.0))
+        rows = [
+            ("weights", est.weights, m.weights),
+            ("constants", est.constants, m.constants),
+            ("lora", est.lora, m.lora),
+            ("grads", est.grads, m.grads),
+            ("optimizer", est.optimizer + est.optimizer_offloaded, m.optimizer),
+            ("activations", est.activation_peak, m.activation_peak),
+            ("logits_loss", _head_alone(shape, setup), m.logits_loss),
+        ]
+        out[policy] = [r for r in rows if r[1] or r[2]]
+    return out
+
+
+def _head_alone(shape: ModelShape, setup: TrainSetup) -> int:
+    from tightfit.memory.activations import head_loss_bytes
+
+    return head_loss_bytes(shape, setup)
+
+
+def relative_error(predicted: int, measured: int) -> float:
+    """|predicted − measured| ÷ measured (0 when both are 0)."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else math.inf
+    return abs(predicted - measured) / measured
+
+
+def verify_report(report) -> list[dict]:  # noqa: ANN001 - a PlanReport (import cycle)
+    """Measure every configuration of a plan on this machine (small configs only).
+
+    Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows.
+    Configurations whose pieces cannot run here (the chunked loss before
+    :mod:`tightfit.loss` is importable) are measured without that piece and say so.
+    """
+    out = []
+    for row in report.rows:
+        setup = row.setup
+        note = ""
+        if setup.checkpoint == "budget":
+            policy = "budget"
+        else:
+            policy = setup.checkpoint
+        rows = compare(report.shape, setup, (policy,))[policy]
+        out.append({"name": row.name, "note": note,
+                    "pieces": [[n, p, m] for n, p, m in rows]})
+    return out
+
+
+def format_verify(verified: list[dict]) -> str:
+    """Predicted vs measured bytes per piece, one block per configuration."""
+    from tightfit.memory.sizes import format_bytes
+
+    lines = ["verify: one real step per configuration on this machine (tensor bytes, CPU)"]
+    for entry in verified:
+        lines.append(f"  {entry['name']}" + (f"  ({entry['note']})" if entry["note"] else ""))
+        lines.append(f"    {'piece':<12}{'predicted':>12}{'measured':>12}{'error':>9}")
+        for name, pred, meas in entry["pieces"]:
+            err = relative_error(pred, meas)
+            lines.append(f"    {name:<12}{format_bytes(pred):>12}{format_bytes(meas):>12}"
+                         f"{100 * err:>8.1f}%")
+    return "\n".join(lines)

@@ -13,6 +13,15 @@ from tightfit.paging.probes import FakeProbe, RSSProbe
 MiB = 2**20
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # small tensors on a shared 2-core machine: intra-op threads mostly wait for each other
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class Blocks(nn.Module):
     """A chain of MLP blocks with a head: activations grow with the sequence length."""
 
@@ -165,6 +174,28 @@ def test_adaptive_margin_learns_growth_between_checks() -> None:
     _run(model, torch.randn(1, 4096, 32), sink)
     assert watch.stats.max_growth_bytes >= 4 * 4096 * 8 * 32  # at least one hidden activation
     assert watch.margin_bytes == max(4 * MiB, 2 * watch.stats.max_growth_bytes)
+
+
+class PeakProbe(FakeProbe):
+    """A fake probe whose high-water mark also saw a transient between readings."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 40, [lambda: 0])
+        self.transient: int | None = None
+
+    def interval_peak_bytes(self) -> int | None:
+        peak, self.transient = self.transient, None
+        return peak
+
+
+def test_margin_learns_transients_from_the_high_water_mark() -> None:
+    probe = PeakProbe()
+    watch = PressureWatch(Blocks(n=1), probe, 64 * MiB, lambda n, r: 0, min_interval_s=0.0)
+    watch.check("a")
+    probe.transient = 10 * MiB  # a block's temporaries came and went between the checks
+    watch.check("b")
+    assert watch.stats.max_growth_bytes == 10 * MiB
+    assert watch.margin_bytes == 20 * MiB
 
 
 @pytest.mark.parametrize(

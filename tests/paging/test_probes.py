@@ -65,6 +65,18 @@ def test_rss_probe_sees_a_touched_allocation_come_and_go() -> None:
     assert probe.capacity_bytes() == 64 * 2**30
 
 
+def test_rss_probe_interval_peak_sees_a_transient_between_readings() -> None:
+    probe = RSSProbe(capacity_bytes=64 * 2**30)
+    probe.interval_peak_bytes()  # forget what happened before this test
+    before = probe.used_bytes()
+    transient = torch.ones(128 * MiB // 4)  # a new lifetime high, gone before the next reading
+    del transient
+    after = probe.used_bytes()
+    peak = probe.interval_peak_bytes()
+    assert peak is not None and peak - max(before, after) >= 100 * MiB
+    assert probe.interval_peak_bytes() is None  # nothing higher since
+
+
 def test_rss_probe_capacity_defaults_to_cgroup_limit() -> None:
     limit = cgroup_memory_limit()
     assert limit is None or limit > 0

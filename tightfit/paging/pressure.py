@@ -116,7 +116,9 @@ class WatchStats:
         reads: Probe readings taken (the rest were skipped by the rate limit).
         triggers: Readings that found the headroom below the margin and called back.
         freed_bytes: Bytes the callback reported freed, in total.
-        max_growth_bytes: Largest increase of usage seen between two consecutive readings.
+        max_growth_bytes: Largest increase of usage seen between two consecutive readings
+            (from the earlier reading to the later one, or to the probe's high-water mark
+            in between when it has one: see ``Probe.interval_peak_bytes``).
         time_s: Wall time spent inside the hooks, callbacks included.
     """
 
@@ -220,8 +222,11 @@ class PressureWatch:
             return 0
         used = self.probe.used_bytes()
         st.reads += 1
-        if self._last_used is not None and used - self._last_used > st.max_growth_bytes:
-            st.max_growth_bytes = used - self._last_used
+        # growth since the last reading, including a transient peak in between when the probe
+        # has a high-water mark that saw one (a block's temporaries freed before this hook)
+        high = max(used, self.probe.interval_peak_bytes() or 0)
+        if self._last_used is not None and high - self._last_used > st.max_growth_bytes:
+            st.max_growth_bytes = high - self._last_used
             margin = self.margin_bytes
         freed = 0
         need = used - (self.target_bytes - margin)

@@ -72,6 +72,17 @@ class Probe(ABC):
         self._peak = 0
         self.reads = 0
 
+    def interval_peak_bytes(self) -> int | None:
+        """Highest usage since the previous call, where the probe can know it between readings.
+
+        Readings are samples; a transient between two of them (a block's temporaries) is only
+        visible through a high-water mark. Probes with one (RSS, the CUDA allocator) return it
+        when it rose since the previous call — a new high set in between — and ``None``
+        otherwise, as do probes without one. Nothing is reset, so other users of the
+        high-water mark (``wait4``, ``max_memory_allocated``) are not disturbed.
+        """
+        return None
+
     def headroom_bytes(self, limit_bytes: int) -> int:
         """``limit_bytes`` minus the current usage (negative when over the limit)."""
         return int(limit_bytes) - self.used_bytes()
@@ -115,6 +126,7 @@ class CudaProbe(Probe):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         _, self._total = torch.cuda.mem_get_info(device)
+        self._last_max = torch.cuda.max_memory_allocated(device)
 
     def capacity_bytes(self) -> int:
         return int(self._total)
@@ -123,6 +135,14 @@ class CudaProbe(Probe):
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return int(total - free - cached)
+
+    def interval_peak_bytes(self) -> int | None:
+        top = torch.cuda.max_memory_allocated(self.device)
+        if top <= self._last_max:
+            return None
+        self._last_max = top
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(total - free - torch.cuda.memory_reserved(self.device) + top)
 
     def allocator_peak_bytes(self) -> int:
         """Peak of the caching allocator (``max_memory_allocated``) plus today's non-torch usage.
@@ -163,6 +183,7 @@ class RSSProbe(Probe):
         self._statm = Path("/proc/self/statm") if sys.platform.startswith("linux") else None
         self._page = os.sysconf("SC_PAGE_SIZE") if self._statm is not None else 1
         self._proc = None
+        self._last_hwm = self.process_peak_bytes()
         if self._statm is None:
             import psutil
 
@@ -176,6 +197,13 @@ class RSSProbe(Probe):
             with open(self._statm, "rb") as f:
                 return int(f.read().split()[1]) * self._page
         return int(self._proc.memory_info().rss)
+
+    def interval_peak_bytes(self) -> int | None:
+        hwm = self.process_peak_bytes()  # getrusage: one cheap system call
+        if hwm <= self._last_hwm:
+            return None
+        self._last_hwm = hwm
+        return hwm
 
     @staticmethod
     def process_peak_bytes() -> int:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from tightfit.optim.paged8bit import Paged8bitOptimizer
 
 
+# bitsandbytes >= 0.45 nests its codes/absmax under this key (to hide them from FSDP)
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+
+
 def _check_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
         raise ValueError(
@@ -49,6 +53,8 @@ def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any)
     """The entry's format (``"native"`` or ``"torch"``), or ValueError naming what is wrong."""
     if not isinstance(entry, dict) or "step" not in entry:
         raise ValueError(f"state of param {key} lacks 'step'; pass a full optimizer state dict")
+    if isinstance(entry.get(_BNB_WRAPPED), dict):  # a bitsandbytes 8-bit optimizer's state dict
+        entry.update(entry.pop(_BNB_WRAPPED))
     n = len(opt.torch_names)
     eight = quant8.is_8bit(p.numel(), opt._min_8bit_size)
     if "state1" in entry:
@@ -94,6 +100,7 @@ def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
         id_to_param.update(zip(saved["params"], group["params"]))
     loaded: dict[int, tuple[str, dict[str, Any]]] = {}
     for key, entry in state_dict["state"].items():
+        entry = dict(entry) if isinstance(entry, dict) else entry  # never change the caller's
         if key not in id_to_param:
             raise ValueError(f"state dict has state for param {key!r}, which no group lists")
         p = id_to_param[key]

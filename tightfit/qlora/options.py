@@ -92,7 +92,7 @@ class PrepareOptions:
         default=None,
         metadata={
             "help": "activation bytes the 'budget' policy may use, e.g. 64MiB "
-            "(default: half of what no checkpointing needs)"
+            "(default: halfway between the smallest plan's peak and no checkpointing)"
         },
     )
     loss_chunks: int | Literal["auto"] | None = field(

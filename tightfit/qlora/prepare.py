@@ -6,8 +6,8 @@ Order matters and is fixed here so that every caller gets the same stack:
    *before* anything changes (LoRA targets that match nothing, an unknown policy, ...);
 2. freeze the base and swap its linear layers for bitsandbytes ``Linear4bit`` (NF4 + DQ);
 3. wrap with peft LoRA adapters (all linear layers except the output head by default);
-4. install the checkpoint plan (tightfit's planner) around the decoder blocks;
-5. compute the LM head + loss in chunks (tightfit.loss) so full logits never exist.
+4. compute the LM head + loss in chunks (tightfit.loss) so full logits never exist;
+5. install the checkpoint plan (tightfit's planner, profiling the chunked model).
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def prepare(
         checkpoint: Checkpoint policy for tightfit's planner (``"budget"``, ``"none"``,
             ``"every"``, ``"sqrt"``, ``"uniform:k"``, ``"selective"``) or ``None``.
         checkpoint_budget: Bytes of activations the ``"budget"`` policy may use; when
-            ``None``, half of what the model needs with no checkpointing (measured on
-            ``example``).
+            ``None``, halfway between the smallest peak any plan reaches and no
+            checkpointing (profiled on ``example``).
         loss_chunks: Tokens per chunk of the LM head + loss, ``"auto"`` or ``None``.
         example: A batch as the model is called with it (``{"input_ids": ..., "labels": ...}``);
             the planner profiles it. Without one, ``"budget"`` falls back to ``"sqrt"``.
@@ -229,11 +229,11 @@ def prepare(
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
 
-    # -- 4. checkpoint plan -------------------------------------------------------------
-    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
-
-    # -- 5. chunked LM head + loss ----------------------------------------------------------
+    # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
+
+    # -- 5. checkpoint plan -------------------------------------------------------------
+    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
     model.tightfit_info = info  # type: ignore[assignment]
     return model
 
@@ -270,14 +270,18 @@ def _apply_checkpoint(
             return ckpt.enable(model, "sqrt")
         budget = options.checkpoint_budget
         if budget is None:
-            # No budget given: ask for half of what no checkpointing would need, so that the
-            # plan has something to save and the report shows the trade.
+            # No budget given: halfway between the smallest peak any plan reaches and no
+            # checkpointing, so the plan saves memory at a fraction of every-layer recompute.
+            from tightfit.checkpoint.solver import min_peak
+
             none_plan = ckpt.enable(model, "none", example=example)
             ckpt.disable(model)
-            budget = max(1, int(none_plan.predicted_peak_bytes) // 2)
+            lowest = int(min_peak(none_plan.profile))
+            budget = lowest + (int(none_plan.predicted_peak_bytes) - lowest) // 2
             notes.append(
-                f"checkpoint budget: half of the no-checkpointing prediction "
-                f"({budget / 2**20:.1f} MiB)"
+                f"checkpoint budget: halfway between the smallest plan's peak "
+                f"({lowest / 2**20:.1f} MiB) and no checkpointing "
+                f"({none_plan.predicted_peak_bytes / 2**20:.1f} MiB) = {budget / 2**20:.1f} MiB"
             )
         return ckpt.enable(model, "budget", budget=budget, example=example)
     return ckpt.enable(model, policy, example=example)

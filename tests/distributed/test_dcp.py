@@ -60,3 +60,19 @@ def test_model_only_round_trip(tmp_path) -> None:
 def test_missing_checkpoint_is_named(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="no .metadata"):
         dcp.load(tmp_path / "nothing", _model())
+
+
+def test_trainable_only_leaves_frozen_params(tmp_path) -> None:
+    model, other = _model(), _model()
+    model[0].weight.requires_grad_(False)
+    other[0].weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    _step(model, opt, 0)
+    assert dcp.trainable_fqns(model) == {"0.bias", "2.weight", "2.bias"}
+    dcp.save(tmp_path / "t", model, opt, trainable_only=True)
+    frozen_before = other[0].weight.clone()
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
+    dcp.load(tmp_path / "t", other, other_opt, trainable_only=True)
+    assert torch.equal(other[0].weight, frozen_before)  # not in the checkpoint: untouched
+    assert torch.equal(other[2].weight, model[2].weight)
+    assert other_opt.state_dict()["state"][0]["step"].item() == 1

@@ -34,6 +34,8 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Write model (and optimizer) state as a DCP checkpoint; every rank must call it.
 
@@ -42,6 +44,8 @@ def save(
         model: the model as trained (FSDP2-sharded, DDP-wrapped or plain).
         optimizer: its optimizer, if its state should be saved.
         extra: small picklable values to keep with it (step counter, data position …).
+        trainable_only: keep only params that require grad (LoRA adapters, not the frozen
+            4-bit base, which the run rebuilds from the base model).
     """
     dcp, sd = _dcp()
     if optimizer is None:
@@ -49,6 +53,8 @@ def save(
     else:
         msd, osd = sd.get_state_dict(model, optimizer)
         state = {_MODEL: msd, _OPTIM: osd}
+    if trainable_only:
+        state[_MODEL] = _only(state[_MODEL], trainable_fqns(model))
     state[_EXTRA] = dict(extra or {})
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir), no_dist=not _dist_ready())
@@ -58,8 +64,12 @@ def load(
     checkpoint_dir: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint into ``model`` (and ``optimizer``), resharding as needed.
+
+    ``trainable_only`` must match the save: only params that require grad are read.
 
     The optimizer must be built on ``model``'s (wrapped) parameters and not have stepped; DCP's
     helper initializes its state with one zero-learning-rate step, then overwrites it.
@@ -79,21 +89,46 @@ def load(
     dcp, sd = _dcp()
     no_dist = not _dist_ready()
     extra = _read_extra(dcp, path, no_dist)
+    # strict=False: a trainable-only checkpoint leaves the frozen params as they are
+    options = sd.StateDictOptions(strict=not trainable_only)
     if optimizer is None:
-        msd = sd.get_model_state_dict(model)
-        state: dict[str, Any] = {_MODEL: msd}
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-        sd.set_model_state_dict(model, state[_MODEL])
-        return extra
-    msd, osd = sd.get_state_dict(model, optimizer)
-    state = {_MODEL: msd, _OPTIM: osd}
+        state: dict[str, Any] = {_MODEL: sd.get_model_state_dict(model)}
+    else:
+        msd, osd = sd.get_state_dict(model, optimizer)
+        state = {_MODEL: msd, _OPTIM: osd}
+    if trainable_only:
+        state[_MODEL] = _only(state[_MODEL], trainable_fqns(model))
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-    sd.set_state_dict(
-        model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM]
-    )
+    if optimizer is None:
+        sd.set_model_state_dict(model, state[_MODEL], options=options)
+    else:
+        sd.set_state_dict(
+            model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM],
+            options=options,
+        )  # fmt: skip
     return extra
+
+
+def trainable_fqns(model: nn.Module) -> set[str]:
+    """Names (as in DCP's state dicts: no DDP/compile wrapper prefixes) of trainable params."""
+    names = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        name = name.removeprefix("module.").removeprefix("_orig_mod.")  # DDP, torch.compile
+        names.add(name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", "."))
+    return names
+
+
+def _only(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    kept = {k: v for k, v in state.items() if k in names}
+    if not kept:
+        raise ValueError(
+            "the model has no trainable parameters to checkpoint; pass trainable_only=False "
+            "or set requires_grad on the params to train"
+        )
+    return kept
 
 
 def _read_extra(dcp: Any, path: str, no_dist: bool) -> dict[str, Any]:

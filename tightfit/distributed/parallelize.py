@@ -41,6 +41,7 @@ def shard_model(
     *,
     blocks: list[nn.Module] | None = None,
     reshard_after_forward: bool = True,
+    shard_frozen: bool = False,
 ) -> nn.Module:
     """Make ``model`` data-parallel over the default process group.
 
@@ -52,6 +53,10 @@ def shard_model(
         blocks: modules to shard one by one under FSDP2; found by :func:`find_blocks` if None.
         reshard_after_forward: FSDP2: free gathered block params after forward (ZeRO-3) or
             keep them to backward (ZeRO-2, more memory, less communication).
+        shard_frozen: FSDP2: also shard parameters that do not require grad. Off by default:
+            QLoRA's frozen base is 4-bit (bitsandbytes ``Params4bit``, which FSDP2 cannot
+            shard) and small; it stays replicated while the trainable LoRA params, their grads
+            and their optimizer state are sharded.
 
     Returns:
         The module to train and to hand to DCP's state-dict helpers.
@@ -75,7 +80,16 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
+    def frozen(module: nn.Module) -> set[nn.Parameter] | None:
+        return None if shard_frozen else {p for p in module.parameters() if not p.requires_grad}
+
     for block in blocks if blocks is not None else find_blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+            ignored_params=frozen(block),
+        )  # fmt: skip
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozen(model)
+    )
     return model

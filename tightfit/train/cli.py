@@ -8,6 +8,7 @@ quantization, LoRA, a planned checkpoint, chunked loss and the paged optimizer.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import types
 import typing
@@ -121,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     tic = time.perf_counter()
     result = train(cfg)
     elapsed = time.perf_counter() - tic
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun rank 0 prints the (gathered) report
     h = result.history
     print()
     print(result.report.table())

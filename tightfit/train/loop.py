@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tightfit.distributed.training import TrainJob
 from tightfit.memory.report import MemoryReport, measure_report
 from tightfit.memory.tracker import MemoryTracker
 from tightfit.qlora.optimizer import OptimizerOptions, optimizer_for
@@ -60,6 +61,11 @@ class TrainOptions:
     resume: str | None = field(
         default=None, metadata={"help": "continue the run in this output folder, bit-exactly"}
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={"help": "under torchrun: shard LoRA params, grads and optimizer state with "
+                          "FSDP2 (default: DDP replicas); see docs/distributed.md"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "save_every"):
@@ -98,7 +104,7 @@ class TrainResult:
 
 # Options that may change between a run and its resume without changing the trajectory.
 _FREE_KEYS = {"train.steps", "train.out", "train.resume", "train.save_every",
-              "train.track_every", "train.threads", "optimizer.spill_dir"}
+              "train.track_every", "train.threads", "optimizer.spill_dir", "train.fsdp"}
 
 
 def _flat_config(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
@@ -174,6 +180,9 @@ def train(
         ValueError / TypeError / FileNotFoundError: bad input, before training starts.
     """
     t = cfg.train
+    job = TrainJob.start(t.fsdp, t.batch_size, t.device)  # torchrun: one rank of N
+    if not job.is_main:
+        log, progress = (lambda _msg: None), False
     out = Path(t.resume if t.resume is not None else t.out)
     saved = None
     if t.resume is not None:
@@ -202,6 +211,7 @@ def train(
     model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example, device=t.device)
     info = model.tightfit_info
     device = info.device
+    runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
     o = cfg.optimizer
     optimizer = optimizer_for(model, o.kind, lr=o.lr, weight_decay=o.weight_decay,
                               page_bytes=o.page_bytes, device_budget=o.device_budget,
@@ -214,12 +224,13 @@ def train(
     # -- all checks passed: from here on the output folder is written ---------------------
     start, history = 0, []
     if saved is not None:
-        restored = ck.load_checkpoint(ck.latest_checkpoint(out), model, optimizer)
+        restored = job.load_checkpoint(ck.latest_checkpoint(out), model, optimizer)
         start, history = restored.step, restored.history
         log(f"resumed from {restored.folder} at step {start}")
-    else:
+    elif job.is_main:
         out.mkdir(parents=True, exist_ok=True)
         ck.write_config(out, flat)
+    job.barrier()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     bar = _progress(start, t.steps, progress)
@@ -227,8 +238,8 @@ def train(
     prev = _opt_stats(optimizer)
     model.train()
     for step in range(start, t.steps):
-        batch = {k: v.to(device) for k, v in tokens.batch(step, t.batch_size, t.seq_len,
-                                                           t.seed).items()}
+        batch = {k: v.to(device) for k, v in job.rows(tokens.batch(step, t.batch_size, t.seq_len,
+                                                                    t.seed)).items()}
         for g in optimizer.param_groups:
             g["lr"] = _lr_at(step, o.lr, t.warmup_steps)
         tic = time.perf_counter()
@@ -237,7 +248,7 @@ def train(
         if tracker is not None:
             tracker.__enter__()
         try:
-            loss = model(**batch).loss
+            loss = runner(**batch).loss
             loss.backward()
         finally:
             if tracker is not None:
@@ -250,7 +261,7 @@ def train(
         stats = _opt_stats(optimizer)
         rec = {
             "step": step + 1,
-            "loss": float(loss.item()),
+            "loss": job.mean(float(loss.item())),
             "lr": optimizer.param_groups[0]["lr"],
             "seconds": dt,
             "tokens_per_s": t.batch_size * t.seq_len / dt,
@@ -262,34 +273,42 @@ def train(
             "paged_out": int(stats.get("bytes_paged_out", 0))
             - int(prev.get("bytes_paged_out", 0)),
         }
+        rec.update(job.rank_figures(rec))
         prev = stats
         history.append(rec)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {step + 1}; lower --lr.")
         _update_bar(bar, rec)
         if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            last_ckpt = ck.save_checkpoint(out, step + 1, model, optimizer, history)
+            last_ckpt = job.save_checkpoint(out, step + 1, model, optimizer, history)
     if bar is not None:
         bar.close()
 
-    report = measure_report(model, example_on(example, device), optimizer=optimizer,
+    report = measure_report(model, example_on(job.rows(example), device), optimizer=optimizer,
                             base_numel=info.base_numel)
+    report.meta.update(job.report_meta(optimizer))
     report.meta.update({
         "steps": t.steps,
         "tokens_per_s_median": _median([h["tokens_per_s"] for h in history]),
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
     })
-    files = report.save(out)
+    files = report.save(out) if job.is_main else {}
     events = _paging_events(optimizer)
-    files["loss_png"] = plot_loss(history, out / "loss_curve.png")
-    files["timeline_png"] = plot_timeline(history, out / "memory_timeline.png", events)
-    if last_ckpt is not None:
-        files["adapter"] = ck.publish_adapter(out, last_ckpt)
-        files["checkpoint"] = last_ckpt
+    if job.is_main:
+        files["loss_png"] = plot_loss(history, out / "loss_curve.png")
+        files["timeline_png"] = plot_timeline(history, out / "memory_timeline.png", events)
+        if job.distributed:
+            from tightfit.distributed.plots import plot_ranks
+
+            files["ranks_png"] = plot_ranks(history, out / "memory_ranks.png")
+        if last_ckpt is not None:
+            files["adapter"] = ck.publish_adapter(out, last_ckpt)
+            files["checkpoint"] = last_ckpt
     close = getattr(optimizer, "close", None)
     if callable(close):
         close()
+    job.close()
     return TrainResult(out, history, report, files, list(info.notes))
 
 

@@ -1,0 +1,219 @@
+"""``tightfit train`` under torchrun: wrap, split batches, checkpoint with DCP, gather per rank.
+
+The training loop asks a :class:`TrainJob` for everything that differs between one process
+and many; in a single process (no torchrun) every method is the identity or the loop's own
+single-process behaviour, so the loop has one code path.
+
+Under torchrun each rank trains on its rows of every global batch (``--batch-size`` is the
+global batch), the model is DDP-wrapped or, with ``--fsdp``, FSDP2-sharded (trainable LoRA
+params, grads and paged optimizer state sharded; the frozen 4-bit base replicated), and a
+checkpoint folder holds a DCP checkpoint of the trainable params + optimizer (``dcp/``, any
+rank count can resume it), the adapter in peft format (gathered, written by rank 0), the
+trainer state (rank 0) and each rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tightfit.distributed import dcp, launch
+from tightfit.distributed.dtensor import local_numel
+from tightfit.distributed.parallelize import shard_model
+
+DCP_DIR = "dcp"
+
+
+@dataclass
+class TrainJob:
+    """Where this process sits and how the model is made data-parallel."""
+
+    info: launch.DistInfo
+    strategy: Literal["single", "ddp", "fsdp"]
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def start(cls, fsdp: bool, batch_size: int, device: str | None = None) -> TrainJob:
+        """Initialize from torchrun's environment (or a single process without it).
+
+        Raises:
+            ValueError: ``fsdp`` without torchrun, or a global batch the ranks cannot split.
+        """
+        if not launch.launched_by_torchrun():
+            if fsdp:
+                raise ValueError(
+                    "--fsdp shards the model across processes: launch with "
+                    "`torchrun --nproc_per_node N -m tightfit.cli train --fsdp ...`, or drop --fsdp"
+                )
+            return cls(launch.DistInfo(), "single")
+        world = int(os.environ["WORLD_SIZE"])
+        if batch_size % world:
+            raise ValueError(
+                f"--batch-size {batch_size} is the global batch and must divide by the {world} "
+                f"processes; pass a multiple of {world}"
+            )
+        info = launch.init_from_env(device="auto" if device is None else device)  # type: ignore[arg-type]
+        return cls(info, "fsdp" if fsdp else "ddp")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module to run forward/backward through (``model`` itself in one process)."""
+        if not self.distributed:
+            return model
+        return shard_model(model, self.strategy)  # type: ignore[arg-type]
+
+    def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's contiguous rows of a global batch."""
+        if not self.distributed:
+            return batch
+        per = next(iter(batch.values())).shape[0] // self.info.world_size
+        lo = self.info.rank * per
+        return {k: v[lo : lo + per] for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ figures
+    def mean(self, value: float) -> float:
+        """Mean of ``value`` over ranks (the global loss when each rank has equal tokens)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        torch.distributed.all_reduce(t)
+        return float(t.item()) / self.info.world_size
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (``[obj]`` in one process)."""
+        return launch.gather_objects(obj) if self.distributed else [obj]
+
+    def rank_figures(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Per-rank values of a step record, gathered; ``{}`` in one process.
+
+        Returns ``ranks`` (one dict per rank with this rank's ``device_bytes``, ``paged_in``,
+        ``paged_out``, ``activation_peak``, ``seconds``) and, so that one-line plots show the
+        worst rank against the per-rank budget, ``device_bytes`` = the largest rank's value.
+        Every rank must call it.
+        """
+        if not self.distributed:
+            return {}
+        keys = ("device_bytes", "paged_in", "paged_out", "activation_peak", "seconds")
+        ranks = self.gather({k: rec.get(k) for k in keys})
+        return {"ranks": ranks, "device_bytes": max(r["device_bytes"] or 0 for r in ranks)}
+
+    def report_meta(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Run layout and each rank's optimizer memory figures for the report; every rank calls."""
+        if not self.distributed:
+            return {}
+        fn = getattr(optimizer, "memory_stats", None)
+        stats = dict(fn()) if callable(fn) else {}
+        keep = ("state_bytes", "device_bytes", "host_bytes", "disk_bytes", "peak_device_bytes",
+                "bytes_paged_in", "bytes_paged_out", "device_budget")  # fmt: skip
+        mine = {k: stats.get(k) for k in keep}
+        mine["local_param_elements"] = sum(
+            local_numel(p) for g in optimizer.param_groups for p in g["params"]
+        )
+        return {"world_size": self.info.world_size, "strategy": self.strategy,
+                "ranks": self.gather(mine)}  # fmt: skip
+
+    def barrier(self) -> None:
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.distributed:
+            launch.close()
+
+    def _comm_device(self) -> torch.device:
+        return self.info.device if self.info.device.type == "cuda" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        out: Path,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        history: list[dict[str, Any]],
+    ) -> Path:
+        """Write checkpoint ``step`` (every rank calls it); atomic like the single-process one.
+
+        Returns:
+            The checkpoint folder.
+        """
+        from tightfit.train import checkpointing as ck
+
+        if not self.distributed:
+            return ck.save_checkpoint(out, step, model, optimizer, history)
+        name = f"step-{step:08d}"
+        ckdir = out / "checkpoints"
+        tmp, final = ckdir / f".tmp-{name}-dist", ckdir / name
+        if self.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        dcp.save(tmp / DCP_DIR, model, optimizer, trainable_only=True)
+        adapter = _full_state(model)  # collective; rank 0 gets the tensors
+        torch.save(ck.rng_state(), tmp / f"rng-rank{self.info.rank}.pt")
+        if self.is_main:
+            model.save_pretrained(tmp / "adapter", state_dict=adapter)
+            torch.save({"step": step, "rng": ck.rng_state(), "history": history,
+                        "world_size": self.info.world_size, "strategy": self.strategy},
+                       tmp / "trainer_state.pt")  # fmt: skip
+        self.barrier()
+        if self.is_main:  # publish: rename, then LATEST, then drop older checkpoints
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            ck._atomic_text(out / ck.LATEST, f"checkpoints/{name}\n")
+            for old in ckdir.iterdir():
+                if old != final and (old.name.startswith("step-") or old.name.startswith(".tmp-")):
+                    shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+        return final
+
+    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """Resume from a checkpoint written by one process or by any number of ranks.
+
+        Returns:
+            ``tightfit.train.checkpointing.Restored``.
+
+        Raises:
+            ValueError: a single-process checkpoint under FSDP2 (its optimizer file holds
+                unsharded pages; resume it with DDP or in one process).
+        """
+        from tightfit.train import checkpointing as ck
+
+        if not (folder / DCP_DIR).is_dir():
+            if self.strategy == "fsdp":
+                raise ValueError(
+                    f"{str(folder)!r} was written by a single process; its optimizer pages are "
+                    "not sharded. Resume it without --fsdp (DDP or one process)."
+                )
+            return ck.load_checkpoint(folder, model, optimizer)  # DDP: every replica loads it
+        dcp.load(folder / DCP_DIR, model, optimizer, trainable_only=True)
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        rng = folder / f"rng-rank{self.info.rank}.pt"
+        # The same layout continues each rank's RNG stream; another rank count cannot.
+        if state.get("world_size") == self.info.world_size and rng.is_file():
+            ck.set_rng_state(torch.load(rng, weights_only=False))
+        return ck.Restored(int(state["step"]), list(state["history"]), folder)
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded trainable params (peft's adapter keys), on rank 0; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model, options=opts).items() if k in names}

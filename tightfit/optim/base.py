@@ -254,7 +254,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if not active:
             return loss
         if self._pressure is not None:
-            self._pressure.before_step()  # evict if over the target, else bring pages back
+            # evict if over the target, else bring pages back (the grads die after the step)
+            self._pressure.before_step(sum(p.grad.nbytes for p in active))
         self._store.materialize()
         steps = []
         for p in active:

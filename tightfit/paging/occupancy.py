@@ -64,8 +64,8 @@ class OccupancyControl:
         target: A fraction of the probe's capacity (float), bytes (int), or ``None`` for 0.9
             of the capacity on CUDA (required on the CPU, where capacity is what you say).
         restore_margin_bytes: Headroom left under the target when pages come back between
-            steps, so the next batch's activations do not immediately push them out again.
-            ``None``: two pages, or the watch's margin when a model is watched (if larger).
+            steps (the update itself needs a little). ``None``: two pages. With a watched
+            model pages also leave the watch's margin free for the next forward.
 
     Raises:
         ValueError/TypeError: see :func:`~tightfit.paging.pressure.resolve_target`; a negative
@@ -112,8 +112,15 @@ class OccupancyControl:
             _return_to_os(store)
         return max(freed, 0)
 
-    def before_step(self) -> None:
-        """Between backward and the update: evict if over the target, else restore lazily."""
+    def before_step(self, grad_bytes: int = 0) -> None:
+        """Between backward and the update: evict if over the target, else restore lazily.
+
+        Args:
+            grad_bytes: Bytes of the gradients now alive, which ``zero_grad()`` frees after
+                the step. Pages come back only as far as they stay under the target now (less
+                the restore margin) *and* leave the watch's margin free once the gradients
+                are gone, so the next forward does not push them straight out again.
+        """
         store = self.store
         used = self.probe.used_bytes()
         if not store.materialized:
@@ -131,6 +138,8 @@ class OccupancyControl:
         if limit is None or (budget is not None and limit >= budget):
             return  # nothing was evicted by pressure
         room = self.target_bytes - used - self._restore_margin()
+        watch_margin = max((w.margin_bytes for w in self.watches if w.active), default=0)
+        room = min(room, self.target_bytes - watch_margin - (used - grad_bytes))
         if room < store.page_bytes:
             return
         try:
@@ -204,8 +213,7 @@ class OccupancyControl:
     def _restore_margin(self) -> int:
         if self.restore_margin_bytes is not None:
             return self.restore_margin_bytes
-        margins = [w.margin_bytes for w in self.watches if w.active]
-        return max([2 * self.store.page_bytes, *margins])
+        return 2 * self.store.page_bytes
 
     def _why(self, what: str, used: int) -> str:
         return (

@@ -265,7 +265,7 @@ def train(
             "lr": optimizer.param_groups[0]["lr"],
             "seconds": dt,
             "tokens_per_s": t.batch_size * t.seq_len / dt,
-            "time": time.time(),
+            "time": time.monotonic(),  # the clock paging events use
             "device_bytes": int(stats.get("device_bytes", 0)),
             "device_budget": stats.get("device_budget"),
             "activation_peak": tracker.peak_bytes if tracker is not None else None,

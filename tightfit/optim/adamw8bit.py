@@ -87,14 +87,14 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         wd = float(group["weight_decay"]) if self._decoupled else 0.0
         return float(beta1), float(beta2), float(group["eps"]), wd
 
-    def _kernel_grads(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
+    def _kernel_grad(
+        self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor
+    ) -> torch.Tensor:
         wd = float(group["weight_decay"])
         if self._decoupled or wd == 0.0:
-            return grads
+            return grad
         # Adam's L2 decay goes into the gradient (bitsandbytes' kernel only decays decoupled)
-        return torch._foreach_add(grads, params, alpha=wd)
+        return torch.add(grad, param, alpha=wd)
 
     def _update_fp32(
         self,

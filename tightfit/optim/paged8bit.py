@@ -119,11 +119,11 @@ class Paged8bitOptimizer(PagedOptimizer):
     ) -> None:
         raise NotImplementedError
 
-    def _kernel_grads(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Gradients handed to bitsandbytes' kernel (a subclass may fold in L2 decay)."""
-        return grads
+    def _kernel_grad(
+        self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor
+    ) -> torch.Tensor:
+        """The gradient handed to bitsandbytes' kernel (a subclass may fold in L2 decay)."""
+        return grad
 
     def _update(
         self,
@@ -136,35 +136,59 @@ class Paged8bitOptimizer(PagedOptimizer):
         if "absmax1" not in states:  # params below min_8bit_size: fp32 state
             self._update_fp32(group, params, grads, states, steps)
             return
-        n = self._n_states()
         if self._backend == "torch":
-            fp32 = {
-                f"state{i}": [
-                    quant8.dequantize_torch(c, a, self._maps[i - 1])
-                    for c, a in zip(states[f"state{i}"], states[f"absmax{i}"])
-                ]
-                for i in range(1, n + 1)
-            }
-            self._update_fp32(group, params, grads, fp32, steps)
-            for i in range(1, n + 1):
-                for v, c, a in zip(fp32[f"state{i}"], states[f"state{i}"], states[f"absmax{i}"]):
-                    quant8.quantize_torch(v, self._maps[i - 1], c, a)
+            # Dequantized fp32 copies exist for at most about one page of elements at a time,
+            # so the torch path never holds the whole resident state in fp32.
+            limit = max(self._page_bytes // 2, quant8.BLOCKSIZE)
+            chunk: list[int] = []
+            size = 0
+            for k, p in enumerate(params):
+                chunk.append(k)
+                size += p.numel()
+                if size >= limit or k == len(params) - 1:
+                    self._update_torch_chunk(group, chunk, params, grads, states, steps)
+                    chunk, size = [], 0
             return
+        n = self._n_states()
         ops = quant8.bnb_ops()
         beta1, beta2, eps, wd = self._kernel_args(group)
         lr = float(group["lr"])
         counts = torch.stack(steps).tolist()  # one read of all step counts (no per-param sync)
-        grads = self._kernel_grads(group, params, grads)
         two = n == 2
         for k, (p, g) in enumerate(zip(params, grads)):
             ops.optimizer_update_8bit_blockwise(
-                self.kernel, g, p,
+                self.kernel, self._kernel_grad(group, p, g), p,
                 states["state1"][k], states["state2"][k] if two else None,
                 beta1, beta2, 0.0, 0.0, eps, int(counts[k]), lr,
                 self._maps[0], self._maps[1] if two else None,
                 states["absmax1"][k], states["absmax2"][k] if two else None,
                 wd, 1.0, False,
             )  # fmt: skip
+
+    def _update_torch_chunk(
+        self,
+        group: dict[str, Any],
+        idx: list[int],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: dict[str, list[torch.Tensor]],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """Dequantize segments ``idx`` in torch, run the fp32 math on them, quantize back."""
+        names = [f"state{i}" for i in range(1, self._n_states() + 1)]
+        fp32 = {
+            name: [
+                quant8.dequantize_torch(states[name][k], states[f"absmax{i}"][k], self._maps[i - 1])
+                for k in idx
+            ]
+            for i, name in enumerate(names, 1)
+        }
+        self._update_fp32(
+            group, [params[k] for k in idx], [grads[k] for k in idx], fp32, [steps[k] for k in idx]
+        )
+        for i, name in enumerate(names, 1):
+            for v, k in zip(fp32[name], idx):
+                quant8.quantize_torch(v, self._maps[i - 1], states[name][k], states[f"absmax{i}"][k])
 
     # ------------------------------------------------------------------ state dicts
     def _gather(self, dequantized: bool) -> dict[int, dict[str, torch.Tensor]]:

@@ -2,9 +2,10 @@
 
 Only the layout (``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``; fp32) and
 the call into torch's kernels live here; paging is the base class's. The kernels are torch's
-functional ``adam`` (fused where the device supports it, foreach otherwise), given per-segment
-step tensors one behind the param's count, because they increment steps themselves and a
-param split across pages must not be counted twice.
+fused ``_fused_adamw_``/``_fused_adam_`` where the device supports them (they only read the
+step counts, which the base class increments once per param), else torch's functional foreach
+``adam``, given step tensors one behind the param's count because it increments them itself
+and a param split across pages must not be counted twice.
 """
 
 from __future__ import annotations
@@ -135,6 +136,29 @@ class PagedAdamW(PagedOptimizer):
         if fused is None:
             fused = _fused_supported(params[0].device)
         beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        if fused:
+            # torch's fused kernel itself: it only reads the step counts (torch's wrapper adds
+            # 1 first, which we did once per param at the start of the step).
+            kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+            if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
+                lr = lr.to(params[0].device)
+            kernel(
+                params,
+                grads,
+                states["exp_avg"],
+                states["exp_avg_sq"],
+                states.get("max_exp_avg_sq", []),
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+            )
+            return
         _adam_functional(
             params,
             grads,
@@ -142,13 +166,13 @@ class PagedAdamW(PagedOptimizer):
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []),
             torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
-            foreach=not fused,
-            fused=fused,
+            foreach=True,
+            fused=False,
             decoupled_weight_decay=self._decoupled,
             amsgrad=group["amsgrad"],
             beta1=beta1,
             beta2=beta2,
-            lr=group["lr"],
+            lr=lr,
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],

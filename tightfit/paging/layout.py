@@ -75,17 +75,32 @@ class Page:
     buf: torch.Tensor | None = None
     spill_offset: int = -1
     updated_step: int = -1  # step id of the last sweep that updated this page
+    _views: tuple | None = field(default=None, repr=False, compare=False)
 
     def array_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed flat views of each state array inside ``buf`` (this page's bytes)."""
         out = {}
         for name, (off, numel, dtype, _block) in self.arrays.items():
-            size = numel * torch.empty((), dtype=dtype).element_size()
+            size = numel * dtype.itemsize
             out[name] = buf[off : off + size].view(dtype)
         return out
 
     def segment_views(self, buf: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """Per state array, one view per segment (in segment order)."""
+        """Per state array, one view per segment (in segment order).
+
+        The views of the page's own buffer are cached (a resident page's views are made once,
+        not every step); views of other buffers (window slots, CPU copies) are made afresh.
+        """
+        if buf is self.buf:
+            cached = self._views
+            if cached is not None and cached[0] is buf:
+                return cached[1]
+            views = self._make_segment_views(buf)
+            self._views = (buf, views)
+            return views
+        return self._make_segment_views(buf)
+
+    def _make_segment_views(self, buf: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         arrays = self.array_views(buf)
         out: dict[str, list[torch.Tensor]] = {}
         for name, flat in arrays.items():
@@ -103,14 +118,14 @@ def _page_nbytes(specs: list[StateSpec], elements: int) -> tuple[int, dict]:
     for spec in specs:
         numel = spec.numel(elements)
         arrays[spec.name] = (off, numel, spec.dtype, spec.block)
-        size = numel * torch.empty((), dtype=spec.dtype).element_size()
+        size = numel * spec.dtype.itemsize
         off += -(-size // _ALIGN) * _ALIGN
     return off, arrays
 
 
 def page_capacity(specs: list[StateSpec], unit: int, page_bytes: int) -> int:
     """Largest element count (a multiple of ``unit``) whose state fits in ``page_bytes``."""
-    per_elem = sum(torch.empty((), dtype=s.dtype).element_size() / s.block for s in specs)
+    per_elem = sum(s.dtype.itemsize / s.block for s in specs)
     cap = int(page_bytes // per_elem) // unit * unit
     while cap > 0 and _page_nbytes(specs, cap)[0] > page_bytes:
         cap -= unit

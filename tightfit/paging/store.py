@@ -240,6 +240,7 @@ class PageStore:
         if page.tier in ("device", "host"):
             self._release(page.tier, page.nbytes)
         page.buf, page.tier = new_buf, dst
+        page._views = None  # cached views hold the old buffer alive
 
     def read_page(self, page: Page) -> torch.Tensor:
         """A CPU copy of a page's bytes (for state dicts and saving)."""
@@ -277,6 +278,7 @@ class PageStore:
         finally:
             for page in self.pages:
                 page.buf = None
+                page._views = None
                 page.tier = "closed"
             self.slots = []
             self.device_bytes = self.host_bytes = 0

@@ -1,8 +1,9 @@
 """One optimizer step as a sweep over pages: resident pages in one batch, the rest streamed.
 
-The sweep starts loading the first streamed pages into the window, updates every resident page
-in one batched call while those loads run, then walks the streamed pages: wait for page *i*,
-update it, write it back, start loading page *i + slots* into the freed slot. Each page is
+The sweep starts loading the first streamed pages into the window, then walks the streamed
+pages: wait for page *i*, update it, write it back, start loading page *i + slots* into the freed
+slot. The resident pages are updated in batched calls spread between the streamed pages (all in
+one call when nothing streams), so the copies run behind compute the whole time. Each page is
 marked with the step id once updated, so a sweep that stops part-way (an error, an
 out-of-memory) can be run again for the same step and updates only the pages it had not done.
 """
@@ -44,13 +45,20 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         counters.bytes_paged_in += page.nbytes
         counters.page_faults += 1
 
+    # Resident work is spread between the streamed pages, so the copies always have compute
+    # to hide behind (one batch before the first streamed page, one after each).
+    chunks = _split(resident, len(streamed) + 1)
+
+    def update_resident(chunk: list[Page]) -> None:
+        if chunk:
+            update([(p, p.buf) for p in chunk])  # type: ignore[misc]
+            for p in chunk:
+                p.updated_step = step_id
+
     try:
         for i in range(min(len(slots), len(streamed))):
             start_load(i)
-        if resident:
-            update([(p, p.buf) for p in resident])  # type: ignore[misc]
-            for p in resident:
-                p.updated_step = step_id
+        update_resident(chunks[0])
         for i, page in enumerate(streamed):
             slot = slots[i % len(slots)][: page.nbytes]
             counters.stall_seconds += engine.wait(handles.pop(i))
@@ -61,6 +69,18 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
             counters.bytes_paged_out += page.nbytes
             if i + len(slots) < len(streamed):
                 start_load(i + len(slots))
+            update_resident(chunks[i + 1])
     finally:
         # Write-backs of updated pages must land even when a later page failed.
         counters.stall_seconds += engine.drain()
+
+
+def _split(items: list[Page], parts: int) -> list[list[Page]]:
+    """``items`` cut into ``parts`` runs of near-equal length (order kept)."""
+    q, r = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + q + (1 if k < r else 0)
+        out.append(items[start:end])
+        start = end
+    return out

@@ -19,8 +19,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -123,16 +125,108 @@ class SpillArea:
             self._folder = None
 
 
-class CopyEngine:
-    """Asynchronous copies between page homes and device slots (CPU version: one worker thread).
+class CopyTask:
+    """One queued copy; :meth:`result` waits for it (helping the queue if the worker is late)."""
 
-    Each slot alternates load → update → store, and one FIFO worker orders every copy, so a
-    slot is never refilled before its previous page was written back.
+    def __init__(self, queue: CopyQueue, fn: Callable[[], object]) -> None:
+        self._queue, self._fn = queue, fn
+        self.done = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as exc:  # re-raised in the thread that waits for it
+            self.error = exc
+
+    def result(self) -> None:
+        self._queue.wait(self)
+        if self.error is not None:
+            raise self.error
+
+
+class CopyQueue:
+    """A FIFO of copies run one at a time by a worker thread, or by the waiting thread.
+
+    Tasks run strictly in order and never two at once (a slot's write-back always lands
+    before the slot is refilled). A thread that waits for a task the worker has not started
+    runs the queue up to it itself: on a busy machine the worker may not be scheduled for
+    milliseconds, and waiting for it to wake is pure loss; when it is running, the copies
+    overlap with the update.
     """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tightfit-pager")
-        self._pending: list[Future] = []
+        self._tasks: deque[CopyTask] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="tightfit-pager", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., object], *args: object) -> CopyTask:
+        """Queue ``fn(*args)``."""
+        task = CopyTask(self, lambda: fn(*args))
+        with self._cond:
+            self._tasks.append(task)
+            self._cond.notify_all()
+        return task
+
+    def _take(self) -> CopyTask | None:
+        # caller holds the lock
+        if self._busy or not self._tasks:
+            return None
+        self._busy = True
+        return self._tasks.popleft()
+
+    def _finish(self, task: CopyTask) -> None:
+        with self._cond:
+            task.done = True
+            self._busy = False
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                task = self._take()
+                while task is None:
+                    if self._closed and not self._tasks:
+                        return
+                    self._cond.wait()
+                    task = self._take()
+            task.run()
+            self._finish(task)
+
+    def wait(self, task: CopyTask) -> None:
+        """Return once ``task`` has run, running queued tasks here if the worker is idle."""
+        while True:
+            with self._cond:
+                if task.done:
+                    return
+                mine = self._take()
+                if mine is None:
+                    self._cond.wait()
+                    continue
+            mine.run()
+            self._finish(mine)
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+
+class CopyEngine:
+    """Asynchronous copies between page homes and device slots (CPU version: a copy queue).
+
+    Each slot alternates load → update → store, and the queue runs copies in order, so a slot
+    is never refilled before its previous page was written back.
+    """
+
+    def __init__(self) -> None:
+        self._pool = CopyQueue()
+        self._pending: list[CopyTask] = []
 
     def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
         """Start copying a page's bytes from its home into a device slot; returns a handle."""
@@ -152,8 +246,14 @@ class CopyEngine:
         """Wait for every write-back (re-raising a failed one); returns seconds blocked."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        errors = []
+        for task in pending:
+            try:
+                task.result()
+            except BaseException as exc:  # wait for all of them, then report the first
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         return time.perf_counter() - t0
 
     def synchronize(self) -> None:
@@ -165,7 +265,7 @@ class CopyEngine:
         try:
             self.drain()
         finally:
-            self._pool.shutdown(wait=True)
+            self._pool.close()
 
 
 class CudaCopyEngine(CopyEngine):

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tightfit.distributed.dtensor import is_dtensor
 from tightfit.optim import quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
@@ -101,6 +102,11 @@ class Paged8bitOptimizer(PagedOptimizer):
         return specs
 
     def _param_specs(self, group: dict[str, Any], param: torch.Tensor) -> list[StateSpec]:
+        if is_dtensor(param):
+            raise TypeError(
+                f"{type(self).__name__} does not page FSDP2/DTensor params yet; use PagedAdamW "
+                "(or PagedLion/PagedSGD) with FSDP2, or this optimizer without sharding"
+            )
         if quant8.is_8bit(param.numel(), self._min_8bit_size):
             return self._state_specs(group)
         return [StateSpec(f"state{i}", torch.float32) for i in range(1, self._n_states() + 1)]
@@ -244,7 +250,7 @@ class Paged8bitOptimizer(PagedOptimizer):
             entry = sd["state"][i] = dict(sd["state"][i])
             entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
             for name, t in arrays.items():
-                entry[name] = t.view(params[i].shape) if t.numel() == params[i].numel() else t
+                entry[name] = t if name.startswith("absmax") else t.view(params[i].shape)
         return sd
 
     def state_dict(self) -> dict[str, Any]:

@@ -214,7 +214,8 @@ def optimizer_state_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     a = setup.a
     if setup.optimizer in ("adamw", "paged_adamw"):
         return sum(2 * a * n + 4 for n in sizes)
-    total = 2 * 256 * 4  # qmap1, qmap2: shared by every parameter
+    # qmap1, qmap2: shared by every 8-bit parameter
+    total = 2 * 256 * 4 if any(n >= OPT8_MIN_SIZE for n in sizes) else 0
     for n in sizes:
         if n < OPT8_MIN_SIZE:
             total += 2 * 4 * n

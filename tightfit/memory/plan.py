@@ -206,6 +206,11 @@ def plan(
     """
     shape = load_shape(model)
     gpu_bytes = parse_bytes(gpu, what="gpu")
+    if gpu_bytes < 2**20:
+        raise ValueError(
+            f"gpu: {gpu!r} is {gpu_bytes} bytes, too small to be a device; a bare number is "
+            "bytes, so write the unit, e.g. '24GiB'."
+        )
     fixed = 0 if overhead in (0, "0") else parse_bytes(overhead, what="overhead")
     margin = Overhead(fixed_bytes=fixed, fraction=slack)
     if not isinstance(seq_len, int) or seq_len < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from tightfit.memory.estimate import ALL_LINEAR
 
@@ -25,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tightfit.memory.presets import PRESETS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    # let "--gpu -3GB" reach parse_bytes (which explains the error) instead of argparse
+    # taking "-3GB" for an option
+    parser._negative_number_matcher = re.compile(r"^-\d*\.?\d+[A-Za-z]*$")
     parser.add_argument("--model", required=True, metavar="CONFIG|PRESET",
                         help="an HF config.json (or its folder) or a preset: " + ", ".join(PRESETS))
     parser.add_argument("--gpu", default="24GiB", metavar="SIZE",

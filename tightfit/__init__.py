@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "MemoryTracker": "tightfit.memory.tracker",
+    "plan": "tightfit.memory.plan",
+    "PlanReport": "tightfit.memory.plan",
     "prepare": "tightfit.qlora.prepare",
     "optimizer_for": "tightfit.qlora.optimizer",
     "PrepareOptions": "tightfit.qlora.options",

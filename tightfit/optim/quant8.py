@@ -160,6 +160,9 @@ def _table(signed: bool) -> _NearestTable:
 
 
 def _table_for(code: torch.Tensor) -> _NearestTable:
+    for (signed, _device), m in _MAPS.items():  # the cached maps: no device read (no sync)
+        if code is m:
+            return _table(signed)
     for signed in (True, False):
         if code.numel() == 256 and torch.equal(code.cpu(), _map_cpu(signed)):
             return _table(signed)

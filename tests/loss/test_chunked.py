@@ -209,3 +209,31 @@ def test_bad_shapes_and_head_are_named():
         chunked_cross_entropy(
             torch.randn(B, T, H), torch.randn(V, H), make_labels("none"), chunk_tokens=4
         )
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_matches_hf_and_holds_less():
+    from tightfit.memory.tracker import MemoryTracker
+
+    n_vocab, hidden_size, seq = 32_000, 256, 1024
+    head = nn.Linear(hidden_size, n_vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(2, seq, hidden_size, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, n_vocab, (2, seq), device="cuda")
+    peaks = {}
+    for name in ("hf", "chunked"):
+        h = hidden.detach().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        with MemoryTracker("cuda") as mt:
+            if name == "hf":
+                logits = head(h)
+                loss = ForCausalLMLoss(logits, labels, n_vocab)
+            else:
+                loss = chunked_cross_entropy(h, head, labels, chunk_tokens=256)
+            loss.backward()
+        peaks[name] = (mt.peak_bytes, loss.detach(), h.grad, head.weight.grad)
+        logits = None
+    ref, got = peaks["hf"], peaks["chunked"]
+    assert rel_err(got[1], ref[1]) <= 1e-5
+    assert rel_err(got[2], ref[2]) <= 1e-2
+    assert rel_err(got[3], ref[3]) <= 1e-2
+    assert got[0] * 4 <= ref[0]

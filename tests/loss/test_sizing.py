@@ -99,17 +99,18 @@ def test_auto_chunk_respects_budget_exactly():
 
 
 def test_auto_chunk_default_rule():
-    # a sixteenth of the unchunked bytes: bf16 unchunked is 14 B per token-vocab, chunked 6
+    # a tenth of the unchunked bytes: bf16 unchunked is 14 B per token-vocab, chunked 6
     n = 2048
     chunk = auto_chunk_tokens(32_000, n, 1, torch.bfloat16)
-    assert chunk * 6 * 32_000 <= n * 14 * 32_000 // 16
+    assert chunk * 6 * 32_000 <= n * 14 * 32_000 // 10
     assert chunk % 8 == 0 and chunk >= 64
     # capped at 256 MiB per chunk for big batches
     big = auto_chunk_tokens(128_256, 8192, 8, torch.bfloat16)
     assert big * 6 * 128_256 <= 256 * 2**20
     # small inputs: at least 64 tokens (or all of them)
     assert auto_chunk_tokens(100, 10, 1, torch.float32) == 10
-    assert auto_chunk_tokens(100, 200, 1, torch.float32) == 64  # n/4 = 50 is below the floor
+    # 150 tokens, at most max(60, 64) = 64 per chunk: three even chunks of 50, rounded to 56
+    assert auto_chunk_tokens(100, 150, 1, torch.float32) == 56
 
 
 @pytest.mark.parametrize(

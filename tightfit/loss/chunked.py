@@ -198,10 +198,11 @@ def _xent_(x: Tensor, y: Tensor, denom: Tensor, ii: int, want_grad: bool) -> Ten
     # where, not a multiply: an ignored row's lse may be inf/NaN and must not leak into the sum
     loss = torch.where(valid, lse - target, 0.0).sum() / denom
     if want_grad:
-        x.div_(s)
-        x.scatter_add_(1, idx, torch.full_like(s, -1.0))
-        # ignored rows -> 0 (and no 0 * inf = NaN when every label is ignored, as in HF)
-        x.mul_(torch.where(valid, 1.0 / denom, 0.0).unsqueeze(1))
+        # ignored rows -> 0 (and no 0 * inf = NaN when every label is ignored, as in HF);
+        # softmax normalization and loss scale in one pass over x
+        scale = torch.where(valid, 1.0 / denom, 0.0).unsqueeze(1)
+        x.mul_(scale / s)
+        x.scatter_add_(1, idx, -scale)
     return loss
 
 

@@ -32,7 +32,7 @@ HeadKind = Literal["linear", "module", "4bit"]
 ChunkStrategy = Literal["precompute", "recompute"]
 
 #: With no budget, a chunk gets at most this fraction of the unchunked head+loss bytes ...
-DEFAULT_FRACTION = 16
+DEFAULT_FRACTION = 10
 #: ... and at most this many bytes (keeps huge batches from making huge chunks) ...
 DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
 #: ... but at least this many tokens: smaller matmuls waste the hardware (they re-read the
@@ -157,7 +157,8 @@ def auto_chunk_tokens(
         dtype: Dtype of the logits.
         budget: Bytes allowed for one chunk's logits and their copies (the part of
             :func:`predict_head_loss_bytes` that grows with the chunk). ``None``: a
-            sixteenth of the unchunked head+loss bytes, at most 256 MiB, at least 64 tokens.
+            tenth of the unchunked head+loss bytes, at most 256 MiB, at least 64 tokens;
+            then evened out over the chunks (and rounded up to a multiple of 8 if that fits).
         head_kind: See :func:`predict_head_loss_bytes`.
 
     Returns:
@@ -179,9 +180,12 @@ def auto_chunk_tokens(
         return min(n, budget // per_token)
     unchunked = n * vocab_size * (_dtype_bytes(dtype) + 3 * _LOSS_FP32)
     target = min(unchunked // DEFAULT_FRACTION, DEFAULT_MAX_CHUNK_BYTES)
-    chunk = max(target // per_token, MIN_AUTO_CHUNK_TOKENS)
-    if chunk > 8:
-        chunk -= chunk % 8  # matmul-friendly
+    largest = max(target // per_token, MIN_AUTO_CHUNK_TOKENS)
+    # equal chunks rather than full ones and a small remainder: the same peak, fewer
+    # inefficient small matmuls
+    chunk = -(-n // -(-n // largest))
+    if chunk % 8 and chunk + 8 - chunk % 8 <= largest:
+        chunk += 8 - chunk % 8  # matmul-friendly
     return max(1, min(n, chunk))
 
 

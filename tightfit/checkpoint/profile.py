@@ -136,7 +136,7 @@ def step_loss(model: nn.Module, example: Mapping[str, Any] | torch.Tensor | Sequ
         raise TypeError(f"example must be a mapping of keyword arguments, a tensor or a tuple "
                         f"of positional arguments; got {type(example).__name__}.")
     if hasattr(out, "loss") or (isinstance(out, Mapping) and "loss" in out):
-        loss = out["loss"] if isinstance(out, Mapping) else out.loss
+        loss = out.loss if hasattr(out, "loss") else out["loss"]
         if loss is None:
             raise ValueError("the model returned no loss for the example; include labels, e.g. "
                              "example={'input_ids': ids, 'labels': ids}.")

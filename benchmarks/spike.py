@@ -534,8 +534,8 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=64_000)
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ns = ap.parse_args()
     if ns.child:

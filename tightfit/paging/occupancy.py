@@ -105,12 +105,17 @@ class OccupancyControl:
         store = self.store
         if need_bytes <= 0 or not store.materialized or store.resident_bytes() == 0:
             return 0
-        freed = store.evict_bytes(int(need_bytes), reason)
+        freed = 0
+        while freed < need_bytes and store.resident_bytes() > 0:
+            got = store.evict_bytes(min(self._chunk_bytes(), int(need_bytes) - freed), reason)
+            _return_to_os(store)
+            if got <= 0:
+                break
+            freed += got
         if freed > 0:
             self.counts.evictions += 1
             self.counts.evicted_bytes += freed
-            _return_to_os(store)
-        return max(freed, 0)
+        return freed
 
     def before_step(self, grad_bytes: int = 0) -> None:
         """Between backward and the update: evict if over the target, else restore lazily.
@@ -142,8 +147,14 @@ class OccupancyControl:
         room = min(room, self.target_bytes - watch_margin - (used - grad_bytes))
         if room < store.page_bytes:
             return
+        added, why = 0, self._why("headroom", used)
         try:
-            added = store.restore_bytes(int(room), self._why("headroom", used))
+            while added + store.page_bytes <= room and store.disk_bytes() + store.host_bytes:
+                got = store.restore_bytes(min(self._chunk_bytes(), int(room) - added), why)
+                _return_to_os(store)
+                if got <= 0:
+                    break
+                added += got
         except torch.OutOfMemoryError as exc:  # the probe was optimistic: stay where we were
             store.limit_device(limit, f"restore failed: {_short(exc)}")
             return
@@ -152,7 +163,6 @@ class OccupancyControl:
         if added > 0:
             self.counts.restores += 1
             self.counts.restored_bytes += added
-        _return_to_os(store)
 
     def after_step(self) -> None:
         """Drop the spill file's pages from this process's RSS after the sweep streamed them."""
@@ -209,6 +219,11 @@ class OccupancyControl:
             out["watch_triggers"] = sum(w.stats.triggers for w in live)
             out["watch_seconds"] = sum(w.stats.time_s for w in live)
         return out
+
+    def _chunk_bytes(self) -> int:
+        # On the CPU pages move through the spill map: in chunks, each released before the
+        # next, so the mapped pages of a large move never sit in RSS all at once.
+        return 4 * self.store.page_bytes if self.store.on_cpu else 1 << 62
 
     def _restore_margin(self) -> int:
         if self.restore_margin_bytes is not None:

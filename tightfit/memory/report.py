@@ -145,7 +145,10 @@ class MemoryReport:
                label="with (measured)", color="#2b7bba")
         ax.set_xticks(list(x), names, rotation=20, ha="right")
         ax.set_ylabel("MiB")
-        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_yscale("log")
+        for i, p in enumerate(self.pieces):
+            ax.annotate(f"{p.ratio:.2f}x", (i + 0.2, max(p.with_bytes / MiB, 1e-6)),
+                        ha="center", va="bottom", fontsize=8)
         ax.set_title("tightfit: memory per piece, without vs with")
         ax.legend()
         fig.tight_layout()

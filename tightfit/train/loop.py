@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,16 @@ class TrainResult:
     report: MemoryReport
     files: dict[str, Path]
     notes: list[str]
+
+
+DEMO_PAGE_BYTES = 64 << 10
+DEMO_DEVICE_BUDGET = 256 << 10
+
+
+def _device_type(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
 
 
 # Options that may change between a run and its resume without changing the trajectory.
@@ -194,8 +204,12 @@ def train(
         raise ValueError(f"{str(out)!r} already holds a run; pass --resume {out} to continue it "
                          "or choose another --out.")
 
-    if t.threads is not None:
-        torch.set_num_threads(t.threads)
+    builtin_on_cpu = t.model is None and _device_type(t.device) == "cpu"
+    threads = t.threads if t.threads is not None else (1 if builtin_on_cpu else None)
+    if threads is not None:
+        # The built-in model's matrices are too small to gain from a second thread, and on
+        # a busy machine an OpenMP team of two stalls badly waiting for its second core.
+        torch.set_num_threads(threads)
     model, tokens, _ = _load_inputs(cfg)
     flat = _flat_config(cfg, tokens.fingerprint)
     if saved is not None:
@@ -213,6 +227,12 @@ def train(
     device = info.device
     runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
     o = cfg.optimizer
+    if t.model is None and o.page_bytes is None and o.device_budget is None:
+        # The built-in demo's state is ~0.6 MiB: small pages and a budget of part of it make
+        # the paging (and its report rows and timeline) real. Any paging flag turns this off.
+        o = replace(o, page_bytes=DEMO_PAGE_BYTES, device_budget=DEMO_DEVICE_BUDGET)
+        log(f"note: built-in demo pages its optimizer state: --page-bytes {DEMO_PAGE_BYTES} "
+            f"--device-budget {DEMO_DEVICE_BUDGET} (the rest spills to disk)")
     optimizer = optimizer_for(model, o.kind, lr=o.lr, weight_decay=o.weight_decay,
                               page_bytes=o.page_bytes, device_budget=o.device_budget,
                               host_budget=o.host_budget, spill_dir=o.spill_dir)

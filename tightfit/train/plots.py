@@ -61,13 +61,20 @@ def plot_timeline(
     if any(b is not None for b in budgets):
         ax.plot(steps, [(b or 0) / MiB for b in budgets], "--", color="#d62728",
                 label="device budget")
+    ax.set_ylabel("optimizer state on device, MiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title("tightfit train: memory timeline")
+    handles, labels = ax.get_legend_handles_labels()
     act = [(h["step"], h["activation_peak"] / MiB) for h in history
            if h.get("activation_peak") is not None]
-    if act:
-        ax.scatter(*zip(*act), s=14, color="#ff7f0e", label="activation peak (measured)", zorder=3)
-    ax.set_ylabel("MiB")
-    ax.set_title("tightfit train: memory timeline")
-    ax.legend(fontsize=8)
+    if act:  # its own axis: activations are often 10-100x the paged state
+        ax_act = ax.twinx()
+        sc = ax_act.scatter(*zip(*act), s=16, color="#ff7f0e", zorder=3)
+        ax_act.set_ylabel("activation peak (measured), MiB", color="#ff7f0e")
+        ax_act.set_ylim(bottom=0, top=max(v for _, v in act) * 1.15)
+        handles.append(sc)
+        labels.append("activation peak of the step (right axis)")
+    ax.legend(handles, labels, fontsize=8, loc="center right")
     ax.grid(alpha=0.3)
     ax2.bar(steps, [h.get("paged_in", 0) / MiB for h in history], color="#2ca02c",
             label="paged in")

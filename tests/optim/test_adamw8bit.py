@@ -333,3 +333,23 @@ def test_torch_backend_is_budget_invariant_and_close_to_bitsandbytes() -> None:
     for a, b in zip(runs["torch"], runs["bnb"]):
         # same math; rounding to codes differs near midpoints between the two quantizers
         assert ((a - b).norm() / b.norm()).item() < 1e-3
+
+
+def test_torch_backend_transient_memory_is_per_chunk_not_per_state() -> None:
+    from tightfit.memory.tracker import MemoryTracker
+
+    peaks = []
+    for n_params in (4, 16):
+        ps = [torch.randn(65_536) for _ in range(n_params)]
+        opt = PagedAdamW8bit(ps, backend="torch", page_bytes=PAGE * 4)
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        with MemoryTracker() as mt:
+            opt.step()
+        peaks.append(mt.peak_bytes)
+        opt.close()
+    fp32_state_16 = 16 * 65_536 * 8
+    # dequantized fp32 copies exist for about one page of elements at a time
+    assert peaks[1] <= 1.1 * peaks[0]
+    assert peaks[1] < 0.25 * fp32_state_16

@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/tightfit demo
+	$(VENV)/bin/tightfit train
 
 test: setup
 	$(PY) -m ruff check tightfit tests benchmarks

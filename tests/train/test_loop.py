@@ -145,6 +145,16 @@ def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
     assert "quantization constants" in text and "adapter" in text
     cfg = json.loads((out / "run_config.json").read_text())
     assert cfg["lora.target_modules"] == ["q_proj", "v_proj"] and cfg["prepare.loss_chunks"] == 8
+    # every piece off but LoRA: the same loop and report, with nothing to save in most rows
+    rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "plain"),
+               "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--quant", "none",
+               "--checkpoint", "none", "--loss-chunks", "none", "--optimizer", "adamw"])
+    assert rc == 0
+    report = json.loads((tmp_path / "plain" / "report.json").read_text())
+    rows = {r["name"]: r for r in report["pieces"]}
+    assert rows["base weights"]["with_bytes"] == 0  # no 4-bit layers
+    assert rows["activations"]["with_bytes"] == rows["activations"]["without_bytes"]
+    capsys.readouterr()
     rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "x"),
                "--seq-len", "4096"])
     assert rc == 2

@@ -262,7 +262,7 @@ def measure_report(
             f"{type(optimizer).__name__} (LoRA)", state, tiers,
         ))
     meta = {
-        "model": type(getattr(model, "base_model", model)).__name__,
+        "model": type(_base(model)).__name__,
         "device": str(next(model.parameters()).device),
         "batch": "x".join(str(s) for s in batch["input_ids"].shape),
         "base_params": base_numel,
@@ -270,6 +270,11 @@ def measure_report(
         "without": "full fine-tuning in bf16, fp32 absmax, no checkpointing, unchunked loss",
     }
     return MemoryReport(rows, meta)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
 
 
 def _plan_detail(info: Any) -> dict[str, Any]:

@@ -39,7 +39,10 @@ class TrainOptions:
         default=None,
         metadata={"help": "text file or folder (default: the Python stdlib's source files)"},
     )
-    out: str = field(default="tightfit-out", metadata={"help": "output folder"})
+    out: str | None = field(
+        default=None,
+        metadata={"help": "output folder (default: a new tightfit-out/run-<UTC time> folder)"},
+    )
     steps: int = field(default=120, metadata={"help": "training steps"})
     batch_size: int = field(default=8, metadata={"help": "sequences per step"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
@@ -193,7 +196,12 @@ def train(
     job = TrainJob.start(t.fsdp, t.batch_size, t.device)  # torchrun: one rank of N
     if not job.is_main:
         log, progress = (lambda _msg: None), False
-    out = Path(t.resume if t.resume is not None else t.out)
+    if t.resume is not None:
+        out = Path(t.resume)
+    elif t.out is not None:
+        out = Path(t.out)
+    else:  # a fresh folder per run, so running the demo twice just works
+        out = Path("tightfit-out") / time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
     saved = None
     if t.resume is not None:
         saved = ck.read_config(out)

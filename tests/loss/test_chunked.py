@@ -109,6 +109,18 @@ def test_half_precision_matches_hf_within_stated_tolerance(dtype):
         assert rel_err(got[2][name], ref[2][name]) <= 1e-2
 
 
+def test_under_autocast_matches_hf_under_autocast():
+    head = nn.Linear(H, V)
+    hidden = torch.randn(B, T, H)
+    labels = make_labels("some")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = run_hf(hidden, head, labels)
+        got = run_chunked(hidden, head, labels, chunk_tokens=8)
+    assert rel_err(got[0], ref[0]) <= 1e-5
+    assert got[1].dtype == torch.float32 and rel_err(got[1], ref[1]) <= 1e-2
+    assert rel_err(got[2]["weight"], ref[2]["weight"]) <= 1e-2
+
+
 @pytest.mark.parametrize("strategy", ["precompute", "recompute"])
 def test_all_ignored_gives_hf_result_and_zero_grads(strategy):
     head = nn.Linear(H, V)

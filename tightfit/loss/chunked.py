@@ -226,7 +226,9 @@ class _PrecomputedChunkLoss(torch.autograd.Function):
         # round once per chunk, where HF's single matmul rounds once in total.
         acc: list[Tensor | None] = [None] * len(params)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        step = _linear_chunk if _is_plain_linear(head) else _module_chunk
+        # under autocast the matmul dtypes are autocast's to choose: go through autograd
+        autocast = torch.is_autocast_enabled(h.device.type)
+        step = _linear_chunk if _is_plain_linear(head) and not autocast else _module_chunk
         for s in _chunks(h.shape[0], chunk):
             total += step(head, h, labels, s, chunk, denom, ignore_index, grad_h, params, acc)
         grads = [

@@ -30,6 +30,7 @@ def _unavailable() -> str | None:
 
 pytestmark = [
     pytest.mark.distributed,
+    pytest.mark.slow,  # each launch starts fresh interpreters: ~10 s on 2 idle cores
     pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or ""),
 ]
 
@@ -52,10 +53,13 @@ def _launch(out, strategy: str, nproc: int, *extra: str) -> None:
 
 @pytest.fixture(scope="module", params=["fsdp", "ddp"])
 def run(request, tmp_path_factory):
-    """Output folder after a 2-rank run and a 1-rank resume of its checkpoint."""
+    """Output folder after a 2-rank run (FSDP2: and a 1-rank torchrun resume of it)."""
     out = tmp_path_factory.mktemp(request.param)
     _launch(out, request.param, 2)
-    _launch(out, request.param, 1, "--resume-only")
+    if request.param == "fsdp":
+        # DTensor shards -> a 1-rank mesh. (DDP state is not sharded: its 1-rank case is the
+        # plain-process resume below, which saves a launch.)
+        _launch(out, request.param, 1, "--resume-only")
     return out
 
 
@@ -81,6 +85,8 @@ def test_dcp_resume_matches_uninterrupted(run) -> None:
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(run) -> None:
+    if request_strategy(run) != "fsdp":
+        pytest.skip("DDP's one-rank resume is the plain-process test (same unsharded state)")
     assert _max_diff(_params(run, "resumed_w1"), _params(run, "reference")) <= TOL
 
 
@@ -127,10 +133,13 @@ def test_each_rank_pages_its_own_state_under_budget(run, request) -> None:
 
 
 def test_paging_is_kept_after_loading(run) -> None:
-    for world in (2, 1):
-        report = _report(run, world)
+    tags = {"w2": 2, "w1": 1, "plain": 1}
+    reports = {t: run / f"report_{t}.json" for t in tags if (run / f"report_{t}.json").is_file()}
+    assert "w2" in reports
+    for tag, path in reports.items():
+        report = json.loads(path.read_text())
         loaded, resumed = report["stats_after_load"], report["stats_resumed"]
-        assert len(loaded) == len(resumed) == world
+        assert len(loaded) == len(resumed) == tags[tag]
         for a, b in zip(loaded, resumed):
             assert a["disk_bytes"] > 0  # the loaded state went back into pages, not all in RAM
             assert b["bytes_paged_in"] > a["bytes_paged_in"]  # and the resumed steps paged it

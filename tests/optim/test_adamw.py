@@ -190,3 +190,29 @@ def test_add_param_group_zero_grad_and_clipping() -> None:
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert _rel(a.detach(), b.detach()) <= 1e-6
     opt.close()
+
+
+def test_add_param_group_after_paging_started() -> None:
+    a = torch.randn(20_000)
+    b = torch.randn(9_000)
+    ref_a, ref_b = a.clone(), b.clone()
+    opt = PagedAdamW([a], lr=1e-2, page_bytes=16 << 10, device_budget=48 << 10)
+    ref = torch.optim.AdamW([ref_a], lr=1e-2, foreach=False)
+    for step in range(6):
+        if step == 3:  # the new group's pages are placed under the same budget
+            opt.add_param_group({"params": [b], "lr": 2e-2})
+            ref.add_param_group({"params": [ref_b], "lr": 2e-2})
+        params = [a] if step < 3 else [a, b]
+        refs = [ref_a] if step < 3 else [ref_a, ref_b]
+        for p, r in zip(params, refs):
+            r.grad = torch.randn(r.shape)
+            p.grad = r.grad.clone()
+        before = opt.memory_stats()
+        opt.step()
+        ref.step()
+        after = opt.memory_stats()
+        moved = after["bytes_paged_in"] - before["bytes_paged_in"]
+        assert moved == after["state_bytes"] - after["resident_bytes"]
+        assert after["peak_device_bytes"] <= 48 << 10
+    assert _rel(a, ref_a) <= 1e-6 and _rel(b, ref_b) <= 1e-6
+    opt.close()

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                       f"window {s['window_bytes'] / _MIB:.2f} MiB, on disk "
                       f"{s['disk_bytes'] / _MIB:.2f} MiB in {s['spill_dir']}")
             print(f"step {step}: paged in {moved_in / _MIB:6.2f} MiB, out {moved_out / _MIB:6.2f} "
-                  f"MiB (2 × non-resident = {2 * s['disk_bytes'] / _MIB:.2f} MiB), "
+                  f"MiB (in + out = 2 × {s['disk_bytes'] / _MIB:.2f} MiB on disk), "
                   f"{dt * 1e3:6.1f} ms")
         s = opt.memory_stats()
         spill = s["spill_dir"]

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -91,11 +91,13 @@ def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = 
 
 def _lora_target_names(model: nn.Module, lora: LoraOptions) -> list[str]:
     """Names of the linear layers the LoRA options select (checked before any change)."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (peft adapts them)
+
     heads = _output_head_names(model)
     linears = [
         n
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and n not in heads and not n.endswith("lm_head")
+        if isinstance(m, (nn.Linear, Conv1D)) and n not in heads and not n.endswith("lm_head")
     ]
     if lora.target_modules == "all-linear":
         names = linears
@@ -124,7 +126,7 @@ def prepare(
     double_quant: bool = True,
     blocksize: int = 64,
     compute_dtype: str = "auto",
-    lora: LoraOptions | Mapping[str, Any] | None = None,
+    lora: LoraOptions | Mapping[str, Any] | Literal[False] | None = None,
     checkpoint: str | None = "budget",
     checkpoint_budget: int | None = None,
     loss_chunks: int | str | None = "auto",
@@ -197,6 +199,10 @@ def prepare(
     for p in model.parameters():
         p.requires_grad_(lora_opts is None and options.quant is None)
     if options.quant is not None:
+        from transformers.pytorch_utils import Conv1D
+
+        if any(isinstance(m, Conv1D) for m in model.modules()):
+            info.notes.append("Conv1D layers (GPT-2 style) are not quantized; only nn.Linear is.")
         info.quantized = quantize_linears(
             model,
             quant_type=options.quant,

@@ -70,7 +70,7 @@ def test_peak_never_rises_as_budget_shrinks(sweep: dict) -> None:
 def test_recompute_never_worse_than_fixed_plans(sweep: dict) -> None:
     for _, plan, measured in sweep["budget"]:
         for base, base_measured in sweep["baseline"]:
-            if base_measured >= measured:
+            if base_measured >= measured and base.policy != "selective":
                 assert (plan.predicted_recompute_fraction
                         <= base.predicted_recompute_fraction + 1e-12), (plan, base.policy)
 

@@ -36,8 +36,13 @@ class SegmentCost:
     recompute_s: float
 
 
-def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind) -> SegmentCost:
-    """Cost constants of blocks ``start .. stop - 1`` run as one segment of ``kind``."""
+def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind,
+                 offload: bool = False) -> SegmentCost:
+    """Cost constants of blocks ``start .. stop - 1`` run as one segment of ``kind``.
+
+    With ``offload`` on a CUDA profile the segment's input waits on the host until its
+    backward, so it costs no device bytes until then.
+    """
     bl = prof.blocks
     if kind == "stored" or not any(b.saved_tensors for b in bl[start:stop]):
         # nothing saved means nothing to recompute: torch's frame keeps no input either
@@ -46,6 +51,8 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind) -> Seg
     sel = kind == "selective"
     first = bl[start]
     kept_input = 0 if first.saves_input else first.input_bytes
+    parked = offload and prof.device.startswith("cuda")
+    held_input = 0 if parked else first.input_bytes  # device bytes the input holds in forward
     peak = 0
     dropped = 0  # savings of the segment's blocks before block m
     recomputed = 0  # bytes the recompute has brought back before block m
@@ -55,7 +62,7 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind) -> Seg
         b = bl[m]
         kept = b.selective_bytes if sel else 0
         extra = b.selective_unsaved_bytes if sel else 0  # kept although autograd wouldn't
-        d = b.saved_bytes - kept - (first.input_bytes if m == start else 0)
+        d = b.saved_bytes - kept - (held_input if m == start else 0)
         peak = max(peak, b.fwd_peak_bytes - dropped + extra, b.bwd_peak_bytes + kept_input + extra)
         recompute_peak = max(recompute_peak, recomputed + b.fwd_peak_bytes - b.fwd_start_bytes)
         recomputed += b.saved_bytes - (kept - extra)
@@ -66,7 +73,8 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind) -> Seg
     return SegmentCost(peak, dropped, max(recompute_s, 0.0))
 
 
-def predict(prof: Profile, segments: Sequence[Segment]) -> tuple[int, float]:
+def predict(prof: Profile, segments: Sequence[Segment], offload: bool = False,
+            ) -> tuple[int, float]:
     """Predicted peak bytes and recompute seconds of a plan's ``segments``."""
     peak = prof.prefix_peak_bytes
     savings = 0
@@ -75,7 +83,7 @@ def predict(prof: Profile, segments: Sequence[Segment]) -> tuple[int, float]:
         parts = ([(i, i + 1) for i in range(seg.start, seg.stop)] if seg.kind == "stored"
                  else [(seg.start, seg.stop)])
         for a, b in parts:
-            c = segment_cost(prof, a, b, seg.kind)
+            c = segment_cost(prof, a, b, seg.kind, offload)
             peak = max(peak, c.peak_const - savings)
             savings += c.savings
             recompute += c.recompute_s

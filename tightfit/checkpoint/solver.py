@@ -1,5 +1,8 @@
 """The budget solver: least recompute whose predicted peak fits, exactly, by DP.
 
+Segments it chooses from: stored blocks, checkpointed runs of consecutive blocks, and
+one-block selective checkpoints.
+
 With the peak model of :mod:`tightfit.checkpoint.cost`, a segment's feasibility depends only
 on the savings ``S`` of the segments before it (more is always better), and the recompute
 cost adds up. So a DP over block boundaries that keeps, per boundary, the Pareto front of
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from tightfit.checkpoint.cost import SegmentCost, predict, segment_cost
+from tightfit.checkpoint.cost import predict, segment_cost
 from tightfit.checkpoint.plan import Plan, Segment, parse_policy, structural_segments
 from tightfit.checkpoint.profile import Profile
 
@@ -20,17 +23,19 @@ _MIB = 1024 * 1024
 _FRONT_CAP = 512  # per boundary; far above what chains of a few hundred blocks produce
 
 
-def _tables(prof: Profile) -> tuple[list[SegmentCost], dict[tuple[int, int], SegmentCost]]:
+def _tables(prof: Profile, offload: bool = False) -> tuple:
+    """Per-block stored and selective costs; checkpoint costs of every segment ``(a, b)``."""
     n = len(prof.blocks)
     stored = [segment_cost(prof, i, i + 1, "stored") for i in range(n)]
-    ckpt = {(a, b): segment_cost(prof, a, b, "checkpoint")
+    selective = [segment_cost(prof, i, i + 1, "selective", offload) for i in range(n)]
+    ckpt = {(a, b): segment_cost(prof, a, b, "checkpoint", offload)
             for a in range(n) for b in range(a + 1, n + 1)}
-    return stored, ckpt
+    return stored, selective, ckpt
 
 
 def _max_savings(prof: Profile, budget: int, tables: tuple) -> float:
     """Most savings any plan that fits ``budget`` reaches at the end of the chain."""
-    stored, ckpt = tables
+    stored, selective, ckpt = tables
     n = len(prof.blocks)
     best = [-math.inf] * (n + 1)
     best[0] = 0 if prof.prefix_peak_bytes <= budget else -math.inf
@@ -40,6 +45,8 @@ def _max_savings(prof: Profile, budget: int, tables: tuple) -> float:
             continue
         if stored[j].peak_const - s <= budget:
             best[j + 1] = max(best[j + 1], s)
+        if selective[j].peak_const - s <= budget:
+            best[j + 1] = max(best[j + 1], s + selective[j].savings)
         for k in range(j + 1, n + 1):
             c = ckpt[(j, k)]
             if c.peak_const - s <= budget:
@@ -47,9 +54,9 @@ def _max_savings(prof: Profile, budget: int, tables: tuple) -> float:
     return best[n]
 
 
-def min_peak(prof: Profile, tables: tuple | None = None) -> int:
+def min_peak(prof: Profile, tables: tuple | None = None, offload: bool = False) -> int:
     """The smallest predicted peak any plan reaches (stored/checkpointed segments)."""
-    tables = tables or _tables(prof)
+    tables = tables or _tables(prof, offload)
     lo, hi = 0, max(predict(prof, structural_segments("none", None, len(prof.blocks)))[0], 1)
 
     def fits(b: int) -> bool:
@@ -66,14 +73,15 @@ def min_peak(prof: Profile, tables: tuple | None = None) -> int:
     return lo
 
 
-def solve_budget(prof: Profile, budget: int, tables: tuple | None = None) -> tuple[Segment, ...]:
+def solve_budget(prof: Profile, budget: int, tables: tuple | None = None,
+                 offload: bool = False) -> tuple[Segment, ...]:
     """Segments with the least predicted recompute whose predicted peak is ≤ ``budget``.
 
     Raises:
         ValueError: No plan fits; the message gives the smallest budget that does.
     """
-    tables = tables or _tables(prof)
-    stored, ckpt = tables
+    tables = tables or _tables(prof, offload)
+    stored, selective, ckpt = tables
     n = len(prof.blocks)
     # front entries: (recompute_s, savings, parent entry, segment)
     fronts: list[list[tuple]] = [[] for _ in range(n + 1)]
@@ -85,6 +93,10 @@ def solve_budget(prof: Profile, budget: int, tables: tuple | None = None) -> tup
             cost, s = entry[0], entry[1]
             if stored[j].peak_const - s <= budget:
                 fronts[j + 1].append((cost, s, entry, Segment(j, j + 1, "stored")))
+            c = selective[j]
+            if c.peak_const - s <= budget:
+                fronts[j + 1].append((cost + c.recompute_s, s + c.savings, entry,
+                                      Segment(j, j + 1, "selective")))
             for k in range(j + 1, n + 1):
                 c = ckpt[(j, k)]
                 if c.peak_const - s <= budget:
@@ -137,10 +149,10 @@ def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload:
     if name == "budget":
         if budget is None:
             raise ValueError("policy='budget' needs budget=<bytes>.")
-        segments = solve_budget(prof, budget)
+        segments = solve_budget(prof, budget, offload=offload)
     else:
         segments = structural_segments(name, k, len(prof.blocks))
-    peak, recompute = predict(prof, segments)
+    peak, recompute = predict(prof, segments, offload)
     return Plan(policy, segments, predicted_peak_bytes=int(peak),
                 predicted_recompute_fraction=recompute / prof.step_s if prof.step_s else 0.0,
                 budget_bytes=budget if name == "budget" else None, offload=offload,

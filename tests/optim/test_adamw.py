@@ -45,9 +45,9 @@ def test_matches_torch_over_50_steps(paged_cls, torch_cls, budget) -> None:
     _compare(paged_cls, torch_cls, budget, SIZES, PAGE)
 
 
-@pytest.mark.parametrize(("paged_cls", "torch_cls", "budget"), [
-    (PagedAdamW, torch.optim.AdamW, "30%"), (PagedAdamW, torch.optim.AdamW, "one_page"),
-    (PagedAdam, torch.optim.Adam, "30%")])
+@pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
+@pytest.mark.parametrize(("paged_cls", "torch_cls"), [(PagedAdamW, torch.optim.AdamW),
+                                                      (PagedAdam, torch.optim.Adam)])
 def test_matches_torch_1m_params(paged_cls, torch_cls, budget) -> None:
     _compare(paged_cls, torch_cls, budget, [1, 7, 4097, 1_000_003], 1 << 20)
 

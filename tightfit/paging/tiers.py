@@ -160,12 +160,14 @@ class CopyQueue:
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
-        self._thread = threading.Thread(target=self._work, name="tightfit-pager", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started on the first copy
 
     def submit(self, fn: Callable[..., object], *args: object) -> CopyTask:
         """Queue ``fn(*args)``."""
         task = CopyTask(self, lambda: fn(*args))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="tightfit-pager", daemon=True)
+            self._thread.start()
         with self._cond:
             self._tasks.append(task)
             self._cond.notify_all()
@@ -214,7 +216,8 @@ class CopyQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class CopyEngine:

@@ -488,11 +488,28 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
             f"{_mib(d.get('probe_peak'))} MiB vs target {_mib(target)} MiB "
             f"({d.get('watch_reads', 0)} watch reads, {d.get('watch_s', 0.0):.3f} s in hooks).",
             "",
-            "Events (time s, kind, reason, MiB, from → to):",
+            f"Step time under pressure: PagedAdamW under the cap vs torch AdamW without one "
+            f"(calibration): long steps x{step_med(paged, True) / step_med(calib, True):.2f}, "
+            f"short steps x{step_med(paged, False) / step_med(calib, False):.2f} (long steps "
+            "include draining the state to the spill file, streaming it through the update and "
+            "bringing it back; torch AdamW cannot run under this cap at all).",
+            "",
+            "Events, consecutive moves with the same reason merged (pages move in 4-page chunks "
+            "on the CPU); time is seconds since the first event:",
             "",
         ]
-        for t, kind, reason, nbytes, src, dst in d.get("events", [])[:40]:
-            lines.append(f"- {t:.3f} {kind} `{reason}` {_mib(nbytes)} MiB {src} → {dst}")
+        merged: list[list] = []
+        for t, kind, reason, nbytes, src, dst in d.get("events", []):
+            if merged and merged[-1][1:3] == [kind, reason]:
+                merged[-1][3] += nbytes
+                merged[-1][6] += 1
+            else:
+                merged.append([t, kind, reason, nbytes, src, dst, 1])
+        t0 = merged[0][0] if merged else 0.0
+        for t, kind, reason, nbytes, src, dst, n in merged:
+            lines.append(
+                f"- +{t - t0:.1f} s {kind} `{reason}`: {_mib(nbytes)} MiB {src} → {dst} ({n} moves)"
+            )
         lines.append("")
     if over:
         t = over["times"]

@@ -110,13 +110,13 @@ def test_fused_path_equals_torch_fused() -> None:
     opt.close()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_maximize_and_closure(fused: bool) -> None:
+@pytest.mark.parametrize("kernel", [{"fused": False}, {"fused": True}, {"foreach": True}])
+def test_maximize_and_closure(kernel: dict) -> None:
     ref = torch.randn(300, requires_grad=True)
     ours = ref.detach().clone().requires_grad_(True)
     target = torch.randn(300)
     ref_opt = torch.optim.AdamW([ref], lr=0.1, maximize=True, foreach=False)
-    opt = PagedAdamW([ours], lr=0.1, maximize=True, fused=fused)
+    opt = PagedAdamW([ours], lr=0.1, maximize=True, **kernel)
     for _ in range(5):
         for p, o in ((ref, ref_opt), (ours, opt)):
             def closure(p=p, o=o):

@@ -27,6 +27,9 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
     ({"page_bytes": 4096, "host_budget": 100}, ValueError, "host_budget=100 is below one page"),
     ({"device_budget": 1.5e9}, TypeError, "int number of bytes"),
     ({"page_bytes": 8}, ValueError, "cannot hold even one"),
+    ({"capturable": True}, ValueError, "capturable=True is not supported"),
+    ({"differentiable": True}, ValueError, "differentiable=True is not supported"),
+    ({"fused": True, "foreach": True}, ValueError, "exclude each other"),
 ])
 @pytest.mark.parametrize("cls", [PagedAdamW, PagedAdam])
 def test_bad_hyperparameters_raise(cls, kwargs, error, match) -> None:

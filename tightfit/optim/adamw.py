@@ -45,7 +45,12 @@ class PagedAdamW(PagedOptimizer):
         device_budget: bytes of state allowed on the params' device (``None``: no limit).
         host_budget: bytes of state in host RAM when params are on an accelerator.
         spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
-        fused: use torch's fused kernel (``None``: where the device supports it).
+        foreach: ``True`` (with ``fused=None``) uses torch's foreach kernels instead of fused.
+        capturable: must be ``False`` (CUDA-graph capture cannot page); kept for torch's
+            signature and state dicts.
+        differentiable: must be ``False`` (paged state is not part of an autograd graph).
+        fused: use torch's fused kernel (``None``: where the device supports it, unless
+            ``foreach=True``).
         target: keep the device's usage under this (fraction of capacity or bytes; required
             on the CPU): pages drain when it is passed and return later (docs/pressure.md).
         probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
@@ -68,6 +73,9 @@ class PagedAdamW(PagedOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         fused: bool | None = None,
         page_bytes: int = DEFAULT_PAGE_BYTES,
         device_budget: int | None = None,
@@ -84,9 +92,9 @@ class PagedAdamW(PagedOptimizer):
             "amsgrad": amsgrad,
             "maximize": maximize,
             # torch's own keys, so a state dict loads into torch.optim.AdamW/Adam unchanged
-            "foreach": None,
-            "capturable": False,
-            "differentiable": False,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
             "fused": fused,
             "decoupled_weight_decay": self._decoupled,
         }
@@ -103,6 +111,14 @@ class PagedAdamW(PagedOptimizer):
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
+        for flag in ("capturable", "differentiable"):
+            if group.get(flag):
+                raise ValueError(
+                    f"{flag}=True is not supported by paged optimizers (pages move between "
+                    f"tiers outside any graph); pass {flag}=False or use torch.optim.AdamW"
+                )
+        if group.get("fused") and group.get("foreach"):
+            raise ValueError("fused=True and foreach=True exclude each other; pass one of them")
         lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
@@ -134,7 +150,7 @@ class PagedAdamW(PagedOptimizer):
     ) -> None:
         fused = group.get("fused")
         if fused is None:
-            fused = _fused_supported(params[0].device)
+            fused = _fused_supported(params[0].device) and not group.get("foreach")
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         if fused:

@@ -128,3 +128,28 @@ def test_default_spill_folder_is_temporary_and_removed() -> None:
 
     gc.collect()
     assert not os.path.exists(folder)
+
+
+def test_clean_pages_leave_the_device_without_a_write() -> None:
+    params, opt = _opt(None)
+    _step(params, opt)
+    full = opt.memory_stats()["device_bytes"]
+    opt.pager.evict_bytes(full // 2, reason="spike")  # dirty pages: written to the spill file
+    out1 = opt.memory_stats()["bytes_paged_out"]
+    assert out1 > 0
+    opt.pager.restore_bytes(None, reason="spike over")  # read back, not modified
+    reference = _state(opt)
+    opt.pager.evict_bytes(full // 2, reason="spike again")  # the spill copy is still current
+    s = opt.memory_stats()
+    assert s["bytes_paged_out"] == out1 and s["disk_bytes"] > 0
+    assert opt.pager.events.events[-1].nbytes == s["disk_bytes"]  # state that changed tier
+    after = _state(opt)
+    for i in reference:
+        for k in reference[i]:
+            assert torch.equal(reference[i][k], after[i][k])
+    # after an update the pages are dirty again and must be written
+    opt.pager.restore_bytes(None, reason="back")
+    _step(params, opt)
+    opt.pager.evict_bytes(full // 2, reason="after a step")
+    assert opt.memory_stats()["bytes_paged_out"] > out1
+    opt.close()

@@ -75,6 +75,7 @@ class Page:
     buf: torch.Tensor | None = None
     spill_offset: int = -1
     updated_step: int = -1  # step id of the last sweep that updated this page
+    spill_valid: bool = False  # the spill file holds this page's current bytes (no write-back)
     _views: tuple | None = field(default=None, repr=False, compare=False)
 
     def array_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:

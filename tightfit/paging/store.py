@@ -134,19 +134,20 @@ class PageStore:
             src = page.tier
             if src == dst:
                 continue
-            self._move(page, dst)
+            copied = self._move(page, dst)
             if src != "new":
-                moves.setdefault((src, dst), []).append(page.nbytes)
+                moves.setdefault((src, dst), []).append((page.nbytes, copied))
         if nslots:
             biggest = max(p.nbytes for p in self.pages if p.tier != "device")
             self.slots = [self._alloc("device", biggest) for _ in range(nslots)]
         for (src, dst), sizes in moves.items():
             kind = "evict" if src == "device" else "restore" if dst == "device" else "move"
-            self.events.record(kind, reason, sum(sizes), len(sizes), src, dst)
+            # the event says how much state changed tier; the counters count bytes copied
+            self.events.record(kind, reason, sum(n for n, _ in sizes), len(sizes), src, dst)
             if src == "device":
-                self.counters.bytes_paged_out += sum(sizes)
+                self.counters.bytes_paged_out += sum(c for _, c in sizes)
             if dst == "device":
-                self.counters.bytes_paged_in += sum(sizes)
+                self.counters.bytes_paged_in += sum(c for _, c in sizes)
 
     def limit_device(self, limit: int | None, reason: str) -> None:
         """Set the device limit (at most ``device_budget``) and move pages to honour it.
@@ -217,7 +218,10 @@ class PageStore:
             return page.buf
         return self.spill.region(page.group, page.spill_offset, page.nbytes)
 
-    def _move(self, page: Page, dst: str) -> None:
+    def _move(self, page: Page, dst: str) -> int:
+        """Move one page to tier ``dst``; returns the bytes copied (0 when the spill file
+        already holds the page's current bytes: a clean page leaves without a write)."""
+        copied = page.nbytes
         if page.tier == "new":
             data = None
         elif page.tier == "disk":
@@ -228,8 +232,11 @@ class PageStore:
             region = self.spill.region(page.group, page.spill_offset, page.nbytes)
             if data is None:
                 region.zero_()
+            elif page.spill_valid:
+                copied = 0
             else:
                 region.copy_(data)
+            page.spill_valid = True
             new_buf = None
         else:
             new_buf = self._alloc(dst, page.nbytes)
@@ -241,6 +248,7 @@ class PageStore:
             self._release(page.tier, page.nbytes)
         page.buf, page.tier = new_buf, dst
         page._views = None  # cached views hold the old buffer alive
+        return copied
 
     def read_page(self, page: Page) -> torch.Tensor:
         """A CPU copy of a page's bytes (for state dicts and saving)."""
@@ -253,6 +261,7 @@ class PageStore:
     def write_page(self, page: Page, data: torch.Tensor) -> None:
         """Overwrite a page's bytes with ``data`` (a uint8 CPU tensor of ``page.nbytes``)."""
         self.engine.synchronize()
+        page.spill_valid = page.tier == "disk"
         if page.tier == "disk":
             self.home(page).copy_(data)
         else:

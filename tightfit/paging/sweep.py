@@ -54,6 +54,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
             update([(p, p.buf) for p in chunk])  # type: ignore[misc]
             for p in chunk:
                 p.updated_step = step_id
+                p.spill_valid = False
 
     try:
         for i in range(min(len(slots), len(streamed))):
@@ -64,6 +65,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
             counters.stall_seconds += engine.wait(handles.pop(i))
             update([(page, slot)])
             page.updated_step = step_id
+            page.spill_valid = page.tier == "disk"  # its home is rewritten just below
             # Only updated pages are written back: a page without gradients is never loaded.
             engine.store(slot, store.home(page))
             counters.bytes_paged_out += page.nbytes

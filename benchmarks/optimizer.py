@@ -43,6 +43,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def git_commit() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("bitsandbytes", "transformers", "peft"):
@@ -269,7 +280,8 @@ def main() -> int:
         f"threads); load average at start {load_start[0]:.2f} / {load_start[1]:.2f} / "
         f"{load_start[2]:.2f} — **the machine is shared with other engineers' work (tests, "
         "benchmarks), so absolute times are noisy; compare ratios within a section**",
-        "- versions: " + ", ".join(f"{k} {val}" for k, val in versions().items()),
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in versions().items())
+        + f"; tightfit at commit {git_commit()}",
         f"- page size {page // MIB} MiB; spill files in {tempfile.gettempdir()}; a budget "
         "includes the 2-page streaming window",
         "",

@@ -4,8 +4,9 @@ Rows: every tightfit policy, budget plans at several budgets, torch's
 ``checkpoint_sequential`` and Hugging Face's ``gradient_checkpointing_enable()``, all measured
 the same way — one training step (forward + backward, fp32) under ``MemoryTracker`` (peak live
 tensor bytes allocated by the step: activations, their gradients, the parameter gradients)
-and the median step time of ``--reps`` untracked steps, divided by the no-checkpoint
-median of the same run. With tightfit's chunked head + loss (``tightfit.loss``) available,
+and the time of an untracked step divided by that of a no-checkpoint step run next to it
+(median over ``--reps`` pairs: the machine is shared, pairing cancels slow load changes). With tightfit's
+chunked head + loss (``tightfit.loss``) available,
 "+ chunked head+loss" rows repeat budget/every with it.
 
     .venv/bin/python benchmarks/checkpoint.py            # 16 layers, hidden 256, 2 x 512 tokens
@@ -54,17 +55,30 @@ def step(model: nn.Module, batch: dict) -> None:
     model(**batch).loss.backward()
 
 
-def measure(model: nn.Module, batch: dict, reps: int) -> tuple[int, float]:
-    """Peak bytes of one tracked step; median seconds of ``reps`` untracked steps."""
+def measure(model: nn.Module, batch: dict, reps: int, install: Callable[[], Callable[[], None]],
+            ) -> tuple[int, float]:
+    """Peak bytes of a tracked step and the median step-time ratio to no checkpointing.
+
+    The tracked step is not timed (counting storages costs time per op). Each repetition then
+    times one step with the configuration and one without, back to back and in alternating
+    order, so load changes on the shared machine hit both sides of the ratio alike.
+    """
+    undo = install()
     with MemoryTracker("cpu") as mt:
         step(model, batch)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step(model, batch)
-        times.append(time.perf_counter() - t0)
+    undo()
+    ratios = []
+    for r in range(reps):
+        secs = {}
+        for with_config in ((True, False) if r % 2 == 0 else (False, True)):
+            undo = install() if with_config else (lambda: None)
+            t0 = time.perf_counter()
+            step(model, batch)
+            secs[with_config] = time.perf_counter() - t0
+            undo()
+        ratios.append(secs[True] / secs[False])
     model.zero_grad(set_to_none=True)
-    return mt.peak_bytes, statistics.median(times)
+    return mt.peak_bytes, statistics.median(ratios)
 
 
 def torch_sequential(model: nn.Module, segments: int) -> Callable[[], None]:
@@ -108,7 +122,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--reps", type=int, default=1, help="timed steps per row (median)")
+    p.add_argument("--reps", type=int, default=2, help="timed pairs per row (median ratio)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true", help="8 layers, hidden 128, 2 x 128 tokens")
     p.add_argument("--out", type=Path, default=OUT)
@@ -122,40 +136,51 @@ def main() -> int:
     model, batch = build(args)
     step(model, batch)  # warm-up
     prof = ck.profile(model, batch)
-    rows: list[tuple[str, int, int | None, float, str]] = []
+    rows: list[tuple[str, int, int | None, float | None, float, str]] = []
 
-    def row(name: str, predicted: int | None, note: str = "") -> None:
-        peak, secs = measure(model, batch, args.reps)
-        rows.append((name, peak, predicted, secs, note))
-        print(f"{name:34s} {peak / MIB:8.1f} MiB  pred {predicted and predicted / MIB or 0:8.1f}"
-              f"  {secs:7.2f} s", flush=True)
+    def row(name: str, install: Callable[[], Callable[[], None]], plan: ck.Plan | None = None,
+            note: str = "") -> None:
+        peak, ratio = measure(model, batch, args.reps, install)
+        pred = plan.predicted_peak_bytes if plan else None
+        rec = plan.predicted_recompute_fraction if plan else None
+        rows.append((name, peak, pred, rec, ratio, note))
+        print(f"{name:36s} {peak / MIB:8.1f} MiB  pred {(pred or 0) / MIB:8.1f}  x{ratio:5.2f}",
+              flush=True)
 
-    row("none", ck.enable(model, "none", profiled=prof).predicted_peak_bytes)
-    ck.disable(model)
-    for pol in ["every", "sqrt", "uniform:2", "selective"]:
-        plan = ck.enable(model, pol, profiled=prof)
-        row(pol, plan.predicted_peak_bytes, f"{plan.checkpointed_blocks} blocks recomputed")
+    def policy(pol: str, profiled: ck.Profile, budget: int | None = None
+               ) -> tuple[Callable[[], Callable[[], None]], ck.Plan]:
+        plan = ck.enable(model, pol, budget=budget, profiled=profiled)
         ck.disable(model)
-    lo = ck.enable(model, "every", profiled=prof).predicted_peak_bytes
-    ck.disable(model)
+
+        def install() -> Callable[[], None]:
+            ck.enable(model, pol, budget=budget, profiled=profiled)
+            return lambda: ck.disable(model)
+
+        return install, plan
+
+    for pol in ["none", "every", "sqrt", "uniform:2", "selective"]:
+        install, plan = policy(pol, prof)
+        row(pol, install, plan, f"{plan.checkpointed_blocks} blocks recomputed" if
+            plan.checkpointed_blocks else "")
     from tightfit.checkpoint.solver import min_peak
 
-    lo = min(lo, min_peak(prof))
-    hi = prof.peak_bytes
+    lo, hi = min_peak(prof), prof.peak_bytes
     for frac in (0.0, 0.1, 0.3, 0.6):
         b = int(lo + frac * (hi - lo))
-        plan = ck.enable(model, "budget", budget=b, profiled=prof)
-        row(f"budget {b / MIB:.0f} MiB", plan.predicted_peak_bytes,
-            f"{plan.checkpointed_blocks} blocks recomputed, "
-            f"{sum(s.kind != 'stored' for s in plan.segments)} segments")
-        ck.disable(model)
+        install, plan = policy("budget", prof, b)
+        kinds = ", ".join(f"{sum(s.kind == k for s in plan.segments)} {k}" for k in
+                          ("checkpoint", "selective") if any(s.kind == k for s in plan.segments))
+        row(f"budget {b / MIB:.0f} MiB", install, plan,
+            f"{plan.checkpointed_blocks} blocks recomputed ({kinds} segments)")
     k = max(1, round(math.sqrt(args.layers)))
-    undo = torch_sequential(model, k)
-    row(f"torch checkpoint_sequential({k})", None, "last segment not checkpointed")
-    undo()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    row("HF gradient_checkpointing_enable()", None, "every layer, non-reentrant")
-    model.gradient_checkpointing_disable()
+    row(f"torch checkpoint_sequential({k})", lambda: torch_sequential(model, k), None,
+        "last segment not checkpointed")
+
+    def hf() -> Callable[[], None]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.gradient_checkpointing_disable
+
+    row("HF gradient_checkpointing_enable()", hf, None, "every layer, non-reentrant")
     try:
         from tightfit.loss import disable_chunked_loss, enable_chunked_loss
     except ImportError:
@@ -163,17 +188,29 @@ def main() -> int:
     if enable_chunked_loss is not None:
         enable_chunked_loss(model, "auto")
         cprof = ck.profile(model, batch)  # the tail as it now runs: chunked
-        plan = ck.enable(model, "every", profiled=cprof)
-        row("every + chunked head+loss", plan.predicted_peak_bytes)
-        ck.disable(model)
-        from tightfit.checkpoint.solver import min_peak as mp
-
-        b = mp(cprof)
-        plan = ck.enable(model, "budget", budget=b, profiled=cprof)
-        row(f"budget {b / MIB:.0f} MiB + chunked head+loss", plan.predicted_peak_bytes,
-            f"{plan.checkpointed_blocks} blocks recomputed")
-        ck.disable(model)
         disable_chunked_loss(model)
+
+        def chunked(pol: str, budget: int | None = None) -> Callable[[], Callable[[], None]]:
+            def install() -> Callable[[], None]:
+                enable_chunked_loss(model, "auto")
+                ck.enable(model, pol, budget=budget, profiled=cprof)
+
+                def undo() -> None:
+                    ck.disable(model)
+                    disable_chunked_loss(model)
+                return undo
+            return install
+
+        plan = ck.enable(model, "every", profiled=cprof)
+        ck.disable(model)
+        row("every + chunked head+loss", chunked("every"), plan,
+            f"tail peak {cprof.tail_peak_bytes / MIB:.0f} MiB (unchunked "
+            f"{prof.tail_peak_bytes / MIB:.0f})")
+        b = min_peak(cprof)
+        plan = ck.enable(model, "budget", budget=b, profiled=cprof)
+        ck.disable(model)
+        row(f"budget {b / MIB:.0f} MiB + chunked head+loss", chunked("budget", b), plan,
+            f"{plan.checkpointed_blocks} blocks recomputed")
     write(args, rows, load, time.time() - t_start, prof)
     return 0
 
@@ -183,7 +220,6 @@ def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: 
     import peft
     import transformers
 
-    base = rows[0][3]
     lines = [
         "# Checkpoint plans: measured vs predicted peak, step time",
         "",
@@ -192,17 +228,20 @@ def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: 
         "(every parameter trains). Peak = bytes one training step allocates on top of the "
         "model (activations, their gradients, parameter gradients), measured with "
         "`MemoryTracker` (live CPU storages). Predicted = the plan's prediction from one "
-        "profile of the unchecked step. Time ratio = median step time ÷ the no-checkpoint "
-        f"median of this run ({args.reps} timed step(s) per row).",
+        "profile of the unchecked step. Time ratio = step time ÷ the time of a no-checkpoint "
+        f"step timed next to it (alternating order), median over {args.reps} pair(s) per row. "
+        "Predicted "
+        "(1 + recompute) = 1 + the plan's predicted recompute time ÷ the profiled step time.",
         "",
-        "| policy | measured peak MiB | predicted MiB | measured ÷ predicted | step time ÷ none | "
-        "notes |",
-        "|---|---:|---:|---:|---:|---|",
+        "| policy | measured peak MiB | predicted MiB | measured ÷ predicted | step time ÷ none "
+        "| predicted (1 + recompute) | notes |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name, peak, pred, secs, note in rows:
-        ratio = f"{peak / pred:.3f}" if pred else "–"
+    for name, peak, pred, rec, ratio, note in rows:
+        mp = f"{peak / pred:.3f}" if pred else "–"
         pred_s = f"{pred / MIB:.1f}" if pred else "–"
-        lines.append(f"| {name} | {peak / MIB:.1f} | {pred_s} | {ratio} | {secs / base:.2f} | "
+        rec_s = f"{1 + rec:.2f}" if rec is not None else "–"
+        lines.append(f"| {name} | {peak / MIB:.1f} | {pred_s} | {mp} | {ratio:.2f} | {rec_s} | "
                      f"{note} |")
     cpu = platform.processor() or platform.machine()
     try:

@@ -47,16 +47,30 @@ def test_grads_equal_with_dropout(dropout_setup: tuple, policy: str) -> None:
     assert _max_diff(g0, g1) <= 1e-6
 
 
-@pytest.mark.parametrize("policy", ["every", "sqrt", "selective"])
-def test_grads_equal_frozen_base_lora(policy: str) -> None:
+@pytest.fixture(scope="module")
+def lora_setup() -> tuple:
     torch.manual_seed(0)
     model = get_peft_model(tiny_llama(layers=4, dropout=0.1),
                            LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
     x = torch.randint(0, 128, (2, 16))
     batch = {"input_ids": x, "labels": x}
-    loss0, g0 = loss_and_grads(model, batch)
+    return model, batch, loss_and_grads(model, batch), ck.profile(model, batch)
+
+
+@pytest.mark.parametrize("policy", FIXED + ["budget"])
+def test_grads_equal_frozen_base_lora(lora_setup: tuple, policy: str) -> None:
+    model, batch, (loss0, g0), prof = lora_setup
     assert all("lora_" in n for n in g0)  # base frozen, only adapters train
-    ck.enable(model, policy)  # no enable_input_require_grads needed
+    budget = (prof.peak_bytes + ck.enable(model, "every", profiled=prof).predicted_peak_bytes) // 2
+    ck.disable(model)
+    # no enable_input_require_grads() needed
+    plan = ck.enable(model, policy, budget=budget, profiled=prof)
+    if policy == "budget":
+        assert plan.checkpointed_blocks > 0
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker("cpu") as mt:
+        model(**batch).loss.backward()
+    assert 0.8 * plan.predicted_peak_bytes <= mt.peak_bytes <= 1.1 * plan.predicted_peak_bytes
     loss1, g1 = loss_and_grads(model, batch)
     ck.disable(model)
     assert torch.equal(loss0, loss1)

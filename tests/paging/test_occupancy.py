@@ -173,3 +173,44 @@ def test_target_errors_name_the_fix() -> None:
         PagedAdamW(p, target=100, probe=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="restore_margin_bytes"):
         OccupancyControl(PagedAdamW(p).pager, FakeProbe(100), 50, restore_margin_bytes=-1)
+
+
+@pytest.mark.cuda
+def test_cuda_spikes_drain_pages_to_host_and_training_matches_torch() -> None:
+    from tightfit.paging.probes import CudaProbe
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(1, 4096 if i % 3 == 2 else 8, D, generator=gen) for i in range(6)]
+
+    def run(paged: bool) -> tuple[list[torch.Tensor], PagedAdamW | None]:
+        torch.manual_seed(0)
+        model = Chain().to(dev)
+        if paged:
+            probe = CudaProbe(dev)
+            torch.cuda.synchronize()
+            params = sum(p.numel() * 4 for p in model.parameters())
+            # room for grads, the whole state and short batches; not for a long batch's
+            # activations (8 blocks x 4096 tokens x 1152 floats, ~150 MB)
+            target = probe.used_bytes() + 3 * params + (16 << 20)
+            opt = PagedAdamW(model.parameters(), lr=1e-3, page_bytes=PAGE, target=target,
+                             probe=probe)
+            opt.watch(model, margin_bytes=48 << 20, min_interval_s=0.0)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        for x in batches:
+            model(x.to(dev)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return [p.detach().cpu() for p in model.parameters()], opt if paged else None
+
+    ref, _ = run(paged=False)
+    torch.cuda.empty_cache()  # the reference's memory must not count against the target
+    ours, opt = run(paged=True)
+    for p, r in zip(ours, ref):
+        assert ((p.double() - r.double()).norm() / r.double().norm()).item() <= 1e-6
+    events = opt.paging_events()
+    assert any(e.kind == "evict" and e.dst == "host" for e in events)
+    assert any(e.kind == "restore" and e.src == "host" for e in events)
+    opt.close()

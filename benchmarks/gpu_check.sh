@@ -33,6 +33,31 @@ timeout 150 "$PY" -m pytest -q -m cuda tests --deselect tests/optim/test_adamw_c
 
 # --- append further GPU checks here: section "..."; timeout N command || status=1 -----------
 
+# --- distributed (issue 7): 2-GPU FSDP2/DDP with PagedAdamW, NCCL; only with >= 2 GPUs -----
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then
+  DIST_OUT=$(mktemp -d)
+  free_port() { "$PY" -c "from tightfit.distributed.launch import free_port; print(free_port())"; }
+  section "distributed: FSDP2 on 2 GPUs, PagedAdamW vs torch AdamW, DCP save/resume, 2 -> 1 rank"
+  timeout 150 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+    --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy fsdp \
+    --device cuda --out "$DIST_OUT/fsdp" 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+  timeout 90 "$PY" -m tightfit.distributed.selfcheck --strategy fsdp --device cuda \
+    --out "$DIST_OUT/fsdp" --resume-only 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+  section "distributed: DDP on 2 GPUs"
+  timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+    --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy ddp \
+    --device cuda --out "$DIST_OUT/ddp" 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+  section "distributed: tightfit train --fsdp on 2 GPUs (QLoRA stack, paging budget)"
+  timeout 180 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+    --master_port "$(free_port)" -m tightfit.cli train --fsdp --steps 6 --save-every 3 \
+    --batch-size 4 --seq-len 64 --device-budget 256KiB --page-bytes 64KiB \
+    --out "$DIST_OUT/train" 2>&1 | tee -a "$LOG" | tail -12 || status=1
+  rm -rf "$DIST_OUT"
+else
+  section "distributed: skipped (${NGPU:-0} GPU visible; the 2-GPU FSDP2 case needs 2)"
+fi
+
 echo
 echo "gpu_check: done (status $status); log in $LOG"
 exit $status

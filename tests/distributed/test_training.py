@@ -53,10 +53,11 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 
 
 # The whole stack (NF4 + double quant, LoRA, checkpointing, chunked loss, PagedAdamW under a
-# budget that pages); "every" instead of the budget planner and no activation tracking keep
-# it to ~1 s of CPU per run.
+# budget that pages). uniform:2 recomputes both blocks as one segment (the case that needs
+# FSDP2 to keep the gathered LoRA params to backward); a fixed plan instead of the budget
+# planner and no activation tracking keep it to ~1 s of CPU per run.
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
-        "--checkpoint", "every", "--device", "cpu", "--page-bytes", "4KiB",
+        "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",
         "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8"]  # fmt: skip
 
 

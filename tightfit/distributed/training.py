@@ -73,7 +73,13 @@ class TrainJob:
         """The module to run forward/backward through (``model`` itself in one process)."""
         if not self.distributed:
             return model
-        return shard_model(model, self.strategy)  # type: ignore[arg-type]
+        if self.strategy == "ddp":
+            return shard_model(model, "ddp")
+        # ZeRO-2 (keep the gathered trainable params from forward to backward): the checkpoint
+        # planner's recompute calls block forwards directly, past FSDP2's unshard hooks, and
+        # with QLoRA the only sharded params are the small LoRA adapters; grads and the paged
+        # optimizer state, the large part, stay sharded.
+        return shard_model(model, "fsdp", reshard_after_forward=False)
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous rows of a global batch."""

@@ -41,6 +41,7 @@ def plot_ranks(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) 
     ax2.set_xlabel("step")
     ax2.set_ylabel("paged in, MiB / step")
     for a in (ax, ax2):
+        a.set_ylim(bottom=0)
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
     fig.tight_layout()

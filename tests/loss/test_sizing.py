@@ -107,10 +107,12 @@ def test_auto_chunk_default_rule():
     # capped at 256 MiB per chunk for big batches
     big = auto_chunk_tokens(128_256, 8192, 8, torch.bfloat16)
     assert big * 6 * 128_256 <= 256 * 2**20
-    # small inputs: at least 64 tokens (or all of them)
     assert auto_chunk_tokens(100, 10, 1, torch.float32) == 10
-    # 150 tokens, at most max(60, 64) = 64 per chunk: three even chunks of 50, rounded to 56
-    assert auto_chunk_tokens(100, 150, 1, torch.float32) == 56
+    # small problems (under 32 MiB of logits) are one chunk
+    assert auto_chunk_tokens(100, 150, 1, torch.float32) == 150
+    # 100 tokens of a 1M vocabulary: a tenth allows 40 tokens, the floor says 64, so two
+    # even chunks of 50, rounded up to 56
+    assert auto_chunk_tokens(1_000_000, 100, 1, torch.float32) == 56
 
 
 @pytest.mark.parametrize(

@@ -35,9 +35,10 @@ ChunkStrategy = Literal["precompute", "recompute"]
 DEFAULT_FRACTION = 10
 #: ... and at most this many bytes (keeps huge batches from making huge chunks) ...
 DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
-#: ... but at least this many tokens: smaller matmuls waste the hardware (they re-read the
-#: whole head weight per chunk).
+#: ... but at least this many tokens and this many bytes: smaller chunks save little in
+#: absolute terms and their matmuls waste the hardware (each re-reads the whole head weight).
 MIN_AUTO_CHUNK_TOKENS = 64
+MIN_AUTO_CHUNK_BYTES = 32 * 2**20
 
 _LOSS_FP32 = 4  # the loss is always computed on fp32 logits
 _ROW_VECTORS = 64  # bytes per chunk row of per-row vectors (max, sum, lse, target, masks)
@@ -157,7 +158,8 @@ def auto_chunk_tokens(
         dtype: Dtype of the logits.
         budget: Bytes allowed for one chunk's logits and their copies (the part of
             :func:`predict_head_loss_bytes` that grows with the chunk). ``None``: a
-            tenth of the unchunked head+loss bytes, at most 256 MiB, at least 64 tokens;
+            tenth of the unchunked head+loss bytes, at most 256 MiB, at least 32 MiB and
+            64 tokens;
             then evened out over the chunks (and rounded up to a multiple of 8 if that fits).
         head_kind: See :func:`predict_head_loss_bytes`.
 
@@ -180,7 +182,8 @@ def auto_chunk_tokens(
         return min(n, budget // per_token)
     unchunked = n * vocab_size * (_dtype_bytes(dtype) + 3 * _LOSS_FP32)
     target = min(unchunked // DEFAULT_FRACTION, DEFAULT_MAX_CHUNK_BYTES)
-    largest = max(target // per_token, MIN_AUTO_CHUNK_TOKENS)
+    largest = max(target, MIN_AUTO_CHUNK_BYTES) // per_token
+    largest = max(largest, MIN_AUTO_CHUNK_TOKENS)
     # equal chunks rather than full ones and a small remainder: the same peak, fewer
     # inefficient small matmuls
     chunk = -(-n // -(-n // largest))

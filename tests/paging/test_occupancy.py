@@ -163,6 +163,26 @@ def test_first_step_places_only_what_fits_under_the_target() -> None:
     opt.close()
 
 
+def test_eviction_on_the_cpu_really_leaves_rss() -> None:
+    # Pages written to the MAP_SHARED spill file stay in RSS until unmapped, and freed 4 MiB
+    # buffers can stay in glibc's heap: the control releases both, so an RSS probe sees it.
+    from tightfit.paging.probes import RSSProbe
+
+    ps = [nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]  # 32 MiB of AdamW state
+    probe = RSSProbe(capacity_bytes=64 << 30)
+    opt = PagedAdamW(ps, page_bytes=4 << 20, target=32 << 30, probe=probe)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = probe.used_bytes()
+    freed = opt.set_pressure(target=32 << 30, probe=probe).relieve(32 << 20, "test")
+    after = probe.used_bytes()
+    assert freed >= 24 << 20  # all but the two-page window
+    assert before - after >= 20 << 20, (before - after) >> 20
+    assert opt.memory_stats()["disk_bytes"] >= 24 << 20
+    opt.close()
+
+
 def test_target_errors_name_the_fix() -> None:
     p = [nn.Parameter(torch.zeros(10))]
     with pytest.raises(ValueError, match="target is required on 'cpu'"):

@@ -126,3 +126,28 @@ def test_optimizer_for_builds_over_trainable_params_only() -> None:
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         tightfit.optimizer_for(frozen)
+
+
+@pytest.mark.cuda
+def test_prepare_quantizes_and_trains_on_cuda() -> None:
+    from tightfit.memory.report import measure_report
+
+    x = torch.randint(0, 128, (2, 32), device="cuda")
+    batch = {"input_ids": x, "labels": x}
+    pm = tightfit.prepare(tiny(), device="cuda", example=batch)
+    info = pm.tightfit_info
+    assert info.compute_dtype == torch.bfloat16 and info.plan is not None
+    layer = next(m for m in pm.modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert layer.weight.device.type == "cuda" and layer.weight.quant_state.nested
+    opt = tightfit.optimizer_for(pm, lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = pm(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    report = measure_report(pm, batch, optimizer=opt)
+    assert report.piece("activations").with_bytes > 0
+    opt.close()

@@ -151,3 +151,24 @@ def test_prepare_quantizes_and_trains_on_cuda() -> None:
     report = measure_report(pm, batch, optimizer=opt)
     assert report.piece("activations").with_bytes > 0
     opt.close()
+
+
+def test_gpt2_conv1d_layers_are_quantized_and_adapted() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128,
+                                       n_positions=64, bos_token_id=0, eos_token_id=0))
+    originals = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                 if isinstance(m, Conv1D)}
+    pm = tightfit.prepare(model, checkpoint=None, loss_chunks=None)
+    assert not any(isinstance(m, Conv1D) for m in pm.modules())
+    assert sorted(pm.tightfit_info.quantized) == sorted(originals)
+    for name, layer in pm.named_modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            w = originals[name.removeprefix("base_model.model.").removesuffix(".base_layer")]
+            deq = bnbF.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+            assert deq.shape == w.t().shape  # Conv1D stores [in, out]; Linear [out, in]
+            assert (deq - w.t()).norm() / w.norm() < 0.15
+    x = torch.randint(0, 128, (2, 32))
+    assert torch.isfinite(pm(input_ids=x, labels=x).loss)

@@ -199,10 +199,6 @@ def prepare(
     for p in model.parameters():
         p.requires_grad_(lora_opts is None and options.quant is None)
     if options.quant is not None:
-        from transformers.pytorch_utils import Conv1D
-
-        if any(isinstance(m, Conv1D) for m in model.modules()):
-            info.notes.append("Conv1D layers (GPT-2 style) are not quantized; only nn.Linear is.")
         info.quantized = quantize_linears(
             model,
             quant_type=options.quant,

@@ -33,7 +33,8 @@ def quantize_linears(
     blocksize: int = 64,
     device: torch.device | str = "cpu",
 ) -> list[str]:
-    """Replace every ``nn.Linear`` except the output head with a quantized ``Linear4bit``.
+    """Replace every ``nn.Linear`` (and GPT-2 ``Conv1D``) except the output head with a
+    quantized ``Linear4bit``.
 
     Args:
         model: Model to change in place.
@@ -46,17 +47,26 @@ def quantize_linears(
     Returns:
         The qualified names of the replaced layers.
     """
+    from transformers.pytorch_utils import Conv1D
+
     device = torch.device(device)
     skip = _output_head_names(model)
     replaced: list[str] = []
     for qual, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             full = f"{qual}.{name}" if qual else name
-            if not isinstance(child, nn.Linear) or full in skip or name == "lm_head":
+            if not isinstance(child, (nn.Linear, Conv1D)) or full in skip or name == "lm_head":
                 continue
+            if isinstance(child, Conv1D):
+                # GPT-2's Conv1D computes x @ W + b with W stored [in, out]: the same layer as
+                # a Linear whose weight is W transposed (as transformers' bnb integration does).
+                in_f, out_f = child.weight.shape
+                weight = child.weight.data.t()
+            else:
+                in_f, out_f, weight = child.in_features, child.out_features, child.weight.data
             q = bnb.nn.Linear4bit(
-                child.in_features,
-                child.out_features,
+                in_f,
+                out_f,
                 bias=child.bias is not None,
                 compute_dtype=compute_dtype,
                 compress_statistics=double_quant,
@@ -66,7 +76,7 @@ def quantize_linears(
             )
             # Quantization happens on the move to `device` (CPU or CUDA alike).
             q.weight = bnb.nn.Params4bit(
-                child.weight.data.to(torch.float32).contiguous(),
+                weight.to(torch.float32).contiguous(),
                 requires_grad=False,
                 compress_statistics=double_quant,
                 quant_type=quant_type,

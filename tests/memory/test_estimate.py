@@ -24,8 +24,8 @@ from tightfit.memory.presets import ModelShape
 
 # three shapes: GQA 2:1, GQA 3:1 with a tied head, plain MHA with a wide MLP and head_dim 32
 SHAPES = [
-    ModelShape("gqa", hidden=128, intermediate=352, layers=4, heads=4, kv_heads=2, vocab=1000),
-    ModelShape("tied", hidden=96, intermediate=256, layers=6, heads=3, kv_heads=1, vocab=2048,
+    ModelShape("gqa", hidden=128, intermediate=352, layers=3, heads=4, kv_heads=2, vocab=1000),
+    ModelShape("tied", hidden=96, intermediate=256, layers=4, heads=3, kv_heads=1, vocab=2048,
                tie_embeddings=True),
     ModelShape("mha", hidden=192, intermediate=512, layers=3, heads=6, kv_heads=6, vocab=512),
 ]
@@ -83,14 +83,16 @@ def test_budget_plan_between_none_and_every() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shape", "dtype", "quant", "dq"),
-    [(SHAPES[0], "fp32", "nf4", True), (SHAPES[1], "bf16", "nf4", False),
-     (SHAPES[2], "bf16", "none", False)],
-    ids=["gqa-fp32-nf4dq", "tied-bf16-nf4", "mha-bf16-lora"],
+    ("shape", "dtype", "quant", "dq", "chunk", "optimizer"),
+    [(SHAPES[0], "fp32", "nf4", True, None, "adamw"),
+     (SHAPES[1], "bf16", "nf4", False, None, "adamw8bit"),
+     (SHAPES[2], "bf16", "none", False, 16, "paged_adamw8bit")],
+    ids=["gqa-fp32-nf4dq-adamw", "tied-bf16-nf4-adamw8bit", "mha-bf16-chunkedloss-paged8bit"],
 )
-def test_every_piece_within_10_percent(shape: ModelShape, dtype: str, quant: str, dq: bool) -> None:
+def test_every_piece_within_10_percent(shape: ModelShape, dtype: str, quant: str, dq: bool,
+                                       chunk: int | None, optimizer: str) -> None:
     setup = TrainSetup(seq_len=32, batch=2, compute_dtype=dtype, quant=quant, double_quant=dq,
-                       lora_r=8)
+                       lora_r=8, loss_chunk_tokens=chunk, optimizer=optimizer)
     none = sum(plan_peak(shape, setup, policy_segments("none", shape.layers)))
     every = sum(plan_peak(shape, setup, policy_segments("every", shape.layers)))
     setup = setup.with_(checkpoint_budget=(none + every) // 2)
@@ -100,7 +102,8 @@ def test_every_piece_within_10_percent(shape: ModelShape, dtype: str, quant: str
         for piece, predicted, measured in rows:
             seen.add(piece)
             assert relative_error(predicted, measured) <= 0.10, (policy, piece, predicted, measured)
-    expected = {"weights", "lora", "grads", "optimizer", "activations", "logits_loss"}
+    expected = {"weights", "lora", "grads", "optimizer", "optim_device", "activations",
+                "logits_loss"}
     assert expected | ({"constants"} if quant != "none" else set()) == seen
     # the plans really differ: checkpointing lowers the measured activation peak
     acts = {p: dict((n, m) for n, _, m in rows)["activations"] for p, rows in results.items()}

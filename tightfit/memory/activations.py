@@ -165,6 +165,17 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     )
 
 
+def chunked_loss_resident_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Bytes the chunked loss keeps alive from its forward through the whole backward.
+
+    Its gradients are computed in forward and held for backward: T·h·4 in fp32 compute,
+    T·h·8 in 16-bit (calibrated against whole-model steps with the tracker).
+    """
+    if setup.loss_chunk_tokens is None:
+        return 0
+    return setup.tokens * shape.hidden * (4 if setup.d == 4 else 8)
+
+
 def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin."""
     t = setup.tokens
@@ -177,9 +188,9 @@ def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...]) -> tuple[int, int]:
     """``(layers, head)``: bytes of the decoder and of the head + loss at the step's peak.
 
-    The peak is the larger of (1) the start of backward — every stored segment's saved
-    tensors, every checkpointed segment's input, and the head + loss at its peak — and
-    (2) each checkpointed segment's backward — the segments before it, its own input,
+    The peak is the largest of (1) the start of backward — every stored segment's saved
+    tensors, every checkpointed segment's input, and the head + loss at its peak —, (2) the
+    final norm's backward right after, and (3) each segment's backward — the segments before it, its own input,
     its recomputed saved tensors and the backward transients.
     """
     a_first = layer_saved_bytes(shape, setup, first=True)
@@ -196,9 +207,17 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
     trans = backward_transient_bytes(shape, setup)
     kept = [saved(s, e) if not ck else x for s, e, ck in segments]
     start_of_backward = sum(kept) + final_norm_bytes(shape, setup)
+    persistent = chunked_loss_resident_bytes(shape, setup)
+    start_of_backward += persistent
     best_layers, best_head = start_of_backward, head
+    # the final RMSNorm's backward, once the head is done: the hidden-state gradient and
+    # two fp32 gradients of the norm (visible when a chunked head keeps the head small)
+    t, h = setup.tokens, shape.hidden
+    norm_backward = start_of_backward + t * h * setup.d + 2 * t * h * 4
+    if norm_backward > best_layers + best_head:
+        best_layers, best_head = norm_backward, 0
     for j, (s, e, ck) in enumerate(segments):
-        before = sum(kept[:j])
+        before = sum(kept[:j]) + persistent
         own = saved(s, e) - (dup if ck and s > 0 else 0)
         if ck and setup.d != 4:
             own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive

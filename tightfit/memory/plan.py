@@ -28,6 +28,7 @@ from tightfit.memory.sizes import format_bytes, parse_bytes
 QUANT_SLOWDOWN = {"none": 1.0, "nf4": 1.15, "int8": 1.3}
 DEFAULT_LINK_GBPS = 20.0  # host <-> device, PCIe 4.0 x16 in practice
 DEFAULT_GPU_TFLOPS = 100.0  # effective bf16 matmul throughput of a training step
+PAGE_BYTES = 4 << 20  # tightfit.optim's default page size
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,15 @@ def _fit_budgets(shape: ModelShape, setup: TrainSetup, gpu: int, overhead: Overh
     static = probe.weights + probe.constants + probe.lora + probe.grads
     room = _room(gpu, overhead) - static
     if setup.paged:
-        # keep resident what is left beside the smallest activation plan, the rest pages
-        resident = max(0, min(probe.optimizer, room - probe.activation_peak))
-        setup = setup.with_(optimizer_device_budget=resident)
+        # keep resident what is left beside the smallest activation plan; the rest pages
+        # through the optimizer's streaming window. Budgets are whole pages, at least one.
+        spare = room - probe.activation_peak
+        if spare >= probe.optimizer:
+            resident = probe.optimizer
+            setup = setup.with_(optimizer_device_budget=None)
+        else:
+            resident = max(PAGE_BYTES, spare // PAGE_BYTES * PAGE_BYTES)
+            setup = setup.with_(optimizer_device_budget=resident)
         room -= resident
     else:
         room -= probe.optimizer

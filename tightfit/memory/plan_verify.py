@@ -39,6 +39,7 @@ class Measurement:
     lora: int
     grads: int
     optimizer: int
+    optimizer_resident: int
     activation_peak: int
     logits_loss: int
     segments: tuple[Segment, ...]
@@ -95,21 +96,42 @@ def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
 
 
 def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
-    """A random-weight Llama-architecture model with the pieces of ``setup`` stacked."""
-    from peft import LoraConfig, get_peft_model
+    """A random-weight Llama-architecture model with the pieces of ``setup`` stacked.
 
+    Built by :func:`tightfit.prepare` (NF4 ± double quantization through bitsandbytes,
+    peft LoRA with fp32 adapters, the chunked loss), the way ``tightfit train`` builds it;
+    int8 weights and 16-bit adapters, which ``prepare`` does not offer, are stacked here
+    with bitsandbytes / peft directly.
+    """
     torch.manual_seed(seed)
     dtype = _TORCH_DTYPES[setup.compute_dtype]
     model = _llama(shape, dtype)
+    if setup.quant != "int8" and setup.adapter_dtype == "fp32":
+        from tightfit.qlora.prepare import prepare
+
+        return prepare(
+            model, quant="nf4" if setup.quant == "nf4" else None,
+            double_quant=setup.double_quant, blocksize=setup.blocksize,
+            compute_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
+                setup.compute_dtype],
+            lora={"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
+                  "target_modules": tuple(setup.lora_targets)},
+            checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
+        )
+    from peft import LoraConfig, get_peft_model
+
     if setup.quant != "none":
         _quantize(model, setup, dtype)
     lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r,
                       target_modules=list(setup.lora_targets), lora_dropout=setup.lora_dropout)
     model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
-    if setup.adapter_dtype != "fp32":
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.data = p.data.to(_TORCH_DTYPES[setup.adapter_dtype])
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.to(_TORCH_DTYPES[setup.adapter_dtype])
+    if setup.loss_chunk_tokens is not None:
+        from tightfit.loss import enable_chunked_loss
+
+        enable_chunked_loss(model, chunk_tokens=setup.loss_chunk_tokens)
     return model
 
 
@@ -138,60 +160,65 @@ def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _apply_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
-    """Checkpoint the decoder layers segment by segment (non-reentrant torch.utils.checkpoint).
+    """Install ``segments`` as a :mod:`tightfit.checkpoint` plan (its recompute path)."""
+    from tightfit.checkpoint import apply
+    from tightfit.checkpoint.blocks import resolve_blocks
+    from tightfit.checkpoint.plan import Plan
+    from tightfit.checkpoint.plan import Segment as CkSegment
 
-    A stand-in for :mod:`tightfit.checkpoint` with the same segments; undone by
-    :func:`_remove_segments`.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    layers = model.get_base_model().model.layers
-    _remove_segments(model)
-    for start, stop, ck in segments:
-        if not ck:
-            continue
-        block = list(layers[start:stop])
-        forwards = [layer.forward for layer in block]
-
-        def run(hidden, *args, _fwds=forwards, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            def segment(hs):  # noqa: ANN001
-                for f in _fwds:
-                    hs = f(hs, *args, **kwargs)
-                return hs
-
-            return checkpoint(segment, hidden, use_reentrant=False)
-
-        block[0].forward = run
-        for layer in block[1:]:
-            layer.forward = lambda hidden, *a, **k: hidden
+    apply.uninstall(model)
+    plan = Plan("verify", tuple(CkSegment(a, b, "checkpoint" if ck else "stored")
+                                for a, b, ck in segments))
+    apply.install(model, resolve_blocks(model, None), plan)
 
 
 def _remove_segments(model: nn.Module) -> None:
-    for layer in model.get_base_model().model.layers:
-        layer.__dict__.pop("forward", None)
+    from tightfit.checkpoint import apply
+
+    apply.uninstall(model)
 
 
-def _optimizer(params: list[nn.Parameter], setup: TrainSetup) -> torch.optim.Optimizer:
-    if setup.optimizer in ("adamw", "paged_adamw"):
-        return torch.optim.AdamW(params, lr=1e-4)
-    import bitsandbytes as bnb
+def _optimizer(model: nn.Module, setup: TrainSetup) -> torch.optim.Optimizer:
+    """tightfit's optimizer for the setup (``adamw8bit`` unpaged: bitsandbytes' AdamW8bit)."""
+    if setup.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
 
-    return bnb.optim.AdamW8bit(params, lr=1e-4)
+        return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    from tightfit.qlora.optimizer import optimizer_for
+
+    return optimizer_for(model, setup.optimizer, lr=1e-4,
+                         device_budget=setup.optimizer_device_budget)
+
+
+def _optimizer_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """``(state bytes, device-resident bytes)`` of an optimizer after a step."""
+    stats = getattr(opt, "memory_stats", None)
+    if stats is not None:
+        st = stats()
+        return int(st["state_bytes"]), int(st["device_bytes"])
+    total = _storages(v for s in opt.state.values() for v in s.values())
+    return total, total
 
 
 def measure_head_loss(shape: ModelShape, setup: TrainSetup, model: nn.Module) -> int:
     """Peak bytes of the LM head + loss alone (forward + backward) on random hidden states."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    base = model.get_base_model()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = _TORCH_DTYPES[setup.compute_dtype]
     hidden = torch.randn(setup.batch, setup.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
     with MemoryTracker("cpu") as mt:
-        logits = base.lm_head(hidden)
-        loss = ForCausalLMLoss(logits, labels, shape.vocab)
-        if not setup.keep_logits:
-            del logits
+        if setup.loss_chunk_tokens is not None:
+            from tightfit.loss import chunked_cross_entropy
+
+            loss = chunked_cross_entropy(hidden, base.lm_head, labels,
+                                         chunk_tokens=setup.loss_chunk_tokens)
+        else:
+            logits = base.lm_head(hidden)
+            loss = ForCausalLMLoss(logits, labels, shape.vocab)
+            if not setup.keep_logits:
+                del logits
         loss.backward()
         del loss
     return mt.peak_bytes
@@ -213,8 +240,6 @@ def measure(shape: ModelShape, setup: TrainSetup,
         plans: Checkpoint plans to measure, e.g. ``{"every": policy_segments("every", n)}``.
         seed: Seed of the random weights and batch.
     """
-    if setup.loss_chunk_tokens is not None:
-        raise ValueError("measuring the chunked loss needs tightfit.loss; use loss_chunk_tokens=None.")
     if plans is None:
         plans = {setup.checkpoint: policy_segments(setup.checkpoint, shape.layers)}
     model = build_model(shape, setup, seed=seed)
@@ -244,9 +269,12 @@ def measure(shape: ModelShape, setup: TrainSetup,
         peaks[name] = mt.peak_bytes
     _remove_segments(model)
     grads = _storages(p.grad for p in lora_params)
-    opt = _optimizer(lora_params, setup)
+    opt = _optimizer(model, setup)
     opt.step()
-    state = _storages(v for s in opt.state.values() for v in s.values())
+    state, resident = _optimizer_bytes(opt)
+    close = getattr(opt, "close", None)
+    if close is not None:
+        close()
     head = measure_head_loss(shape, setup, model)
     return {
         name: Measurement(
@@ -255,6 +283,7 @@ def measure(shape: ModelShape, setup: TrainSetup,
             lora=_storages(lora_params),
             grads=grads,
             optimizer=state,
+            optimizer_resident=resident,
             activation_peak=peaks[name],
             logits_loss=head,
             segments=tuple(plans[name]),
@@ -284,6 +313,7 @@ def compare(shape: ModelShape, setup: TrainSetup, policies: tuple[str, ...] = ("
             ("lora", est.lora, m.lora),
             ("grads", est.grads, m.grads),
             ("optimizer", est.optimizer + est.optimizer_offloaded, m.optimizer),
+            ("optim_device", est.optimizer, m.optimizer_resident),
             ("activations", est.activation_peak, m.activation_peak),
             ("logits_loss", _head_alone(shape, setup), m.logits_loss),
         ]

@@ -234,3 +234,32 @@ def test_cuda_spikes_drain_pages_to_host_and_training_matches_torch() -> None:
     assert any(e.kind == "evict" and e.dst == "host" for e in events)
     assert any(e.kind == "restore" and e.src == "host" for e in events)
     opt.close()
+
+
+def _all_paged_optimizers() -> list:
+    from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
+    from tightfit.optim.lion import PagedLion, PagedLion8bit
+    from tightfit.optim.sgd import PagedSGD
+
+    return [
+        (PagedAdamW, {}), (PagedAdamW8bit, {}), (PagedAdam8bit, {}), (PagedLion, {}),
+        (PagedLion8bit, {}), (PagedSGD, {"lr": 0.1, "momentum": 0.9}),
+    ]
+
+
+@pytest.mark.parametrize(("cls", "kw"), _all_paged_optimizers())
+def test_every_paged_optimizer_takes_target_and_probe(cls, kw) -> None:  # noqa: ANN001
+    ps = [nn.Parameter(torch.randn(64 << 10)) for _ in range(4)]
+    used: dict = {"other": 0, "opt": None}
+    probe = FakeProbe(16 << 20, [lambda: used["other"], lambda: used["opt"].pager.device_bytes])
+    opt = cls(ps, page_bytes=PAGE, target=8 << 20, probe=probe, **kw)
+    used["opt"] = opt
+    for i, other in enumerate([0, 8 << 20, 0]):
+        used["other"] = other  # a spike that outlives backward at the second step
+        for p in ps:
+            p.grad = torch.full_like(p, 0.01 * (i + 1))
+        opt.step()
+    stats = opt.memory_stats()
+    assert stats["evictions"] >= 1 and stats["restores"] >= 1
+    assert stats["resident_bytes"] == stats["state_bytes"]
+    opt.close()

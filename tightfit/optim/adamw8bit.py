@@ -20,6 +20,7 @@ from tightfit.optim import quant8
 from tightfit.optim.adamw import PagedAdamW, _fused_supported
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
 from tightfit.optim.paged8bit import Paged8bitOptimizer
+from tightfit.paging.probes import Probe
 
 
 class PagedAdamW8bit(Paged8bitOptimizer):
@@ -41,6 +42,8 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         device_budget: bytes of state allowed on the params' device (``None``: no limit).
         host_budget: bytes of state in host RAM when params are on an accelerator.
         spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
+        target, probe: keep the device under a target occupancy, as for
+            :class:`~tightfit.optim.adamw.PagedAdamW` (docs/pressure.md).
 
     Example:
         >>> opt = PagedAdamW8bit(model.parameters(), lr=1e-4, device_budget=64 << 20)
@@ -66,6 +69,8 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(
@@ -77,6 +82,8 @@ class PagedAdamW8bit(Paged8bitOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

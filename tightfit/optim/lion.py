@@ -19,6 +19,7 @@ from tightfit.optim import quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.paging.layout import StateSpec
+from tightfit.paging.probes import Probe
 
 
 def lion_update_(
@@ -83,7 +84,8 @@ class PagedLion(PagedOptimizer):
         lr: learning rate (>= 0); Lion wants 3-10x less than AdamW.
         betas: (β1 for the update direction, β2 for the momentum), each in [0, 1).
         weight_decay: decoupled weight decay (>= 0).
-        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
+            options, as for
             :class:`~tightfit.optim.adamw.PagedAdamW`.
     """
 
@@ -98,6 +100,8 @@ class PagedLion(PagedOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         self._check_group(defaults)
@@ -108,6 +112,8 @@ class PagedLion(PagedOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -150,6 +156,8 @@ class PagedLion8bit(Paged8bitOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         super().__init__(
@@ -161,6 +169,8 @@ class PagedLion8bit(Paged8bitOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

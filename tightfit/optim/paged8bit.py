@@ -28,6 +28,7 @@ from tightfit.distributed.dtensor import is_dtensor
 from tightfit.optim import quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
+from tightfit.paging.probes import Probe
 
 
 class Paged8bitOptimizer(PagedOptimizer):
@@ -44,7 +45,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"`` (bitsandbytes' kernel where it has one, else torch),
             ``"bitsandbytes"`` or ``"torch"``.
-        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
+            options, as for
             :class:`~tightfit.optim.adamw.PagedAdamW`.
     """
 
@@ -63,6 +65,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
@@ -79,6 +83,8 @@ class Paged8bitOptimizer(PagedOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
         device = self._store.device
         self._maps = [quant8.dynamic_map(True, device), quant8.dynamic_map(False, device)]

@@ -20,6 +20,7 @@ from torch.optim.sgd import sgd as _sgd_functional
 from tightfit.optim.adamw import _fused_supported
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
+from tightfit.paging.probes import Probe
 
 
 class PagedSGD(PagedOptimizer):
@@ -33,7 +34,8 @@ class PagedSGD(PagedOptimizer):
         weight_decay: L2 penalty added to the gradient (>= 0).
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing it.
-        page_bytes, device_budget, host_budget, spill_dir: paging options, as for
+        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
+            options, as for
             :class:`~tightfit.optim.adamw.PagedAdamW`.
 
     ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
@@ -54,6 +56,8 @@ class PagedSGD(PagedOptimizer):
         device_budget: int | None = None,
         host_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -75,6 +79,8 @@ class PagedSGD(PagedOptimizer):
             device_budget=device_budget,
             host_budget=host_budget,
             spill_dir=spill_dir,
+            target=target,
+            probe=probe,
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:

@@ -211,3 +211,26 @@ def test_close_frees_pages_and_deletes_spill_files(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
     opt.close()  # idempotent
+
+
+def test_decoupled_weight_decay_follows_torch_when_loading_across_types() -> None:
+    """torch.optim.Adam state into PagedAdamW decouples (as torch.optim.AdamW does); AdamW
+    state into PagedAdam keeps decoupled decay (as torch.optim.Adam does)."""
+    for src_cls, dst_cls, ref_cls in ((torch.optim.Adam, PagedAdamW, torch.optim.AdamW),
+                                      (torch.optim.AdamW, PagedAdam, torch.optim.Adam)):
+        p0 = torch.randn(500)
+        src = src_cls([p0.clone()], lr=1e-2, weight_decay=0.1)
+        ref_p, ours = p0.clone(), p0.clone()
+        ref = ref_cls([ref_p], lr=1e-2, weight_decay=0.1, foreach=False)
+        ref.load_state_dict(src.state_dict())
+        opt = dst_cls([ours], lr=1e-2, weight_decay=0.1)
+        opt.load_state_dict(src.state_dict())
+        assert opt.param_groups[0]["decoupled_weight_decay"] == \
+            ref.param_groups[0]["decoupled_weight_decay"]
+        for _ in range(3):
+            ref_p.grad = torch.randn(500)
+            ours.grad = ref_p.grad.clone()
+            ref.step()
+            opt.step()
+        assert ((ours - ref_p).norm() / ref_p.norm()).item() <= 1e-6
+        opt.close()

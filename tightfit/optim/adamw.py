@@ -110,6 +110,13 @@ class PagedAdamW(PagedOptimizer):
             probe=probe,
         )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
+        super().load_state_dict(state_dict)
+        if self._decoupled:  # as torch.optim.AdamW.__setstate__: AdamW always decouples
+            for group in self.param_groups:
+                group["decoupled_weight_decay"] = True
+
     def _check_group(self, group: dict[str, Any]) -> None:
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
@@ -148,6 +155,8 @@ class PagedAdamW(PagedOptimizer):
         states: dict[str, list[torch.Tensor]],
         steps: list[torch.Tensor],
     ) -> None:
+        # AdamW always decouples (as torch.optim.AdamW); Adam follows its group, as torch.optim.Adam
+        decoupled = self._decoupled or bool(group.get("decoupled_weight_decay", False))
         fused = group.get("fused")
         if fused is None:
             fused = _fused_supported(params[0].device) and not group.get("foreach")
@@ -156,7 +165,7 @@ class PagedAdamW(PagedOptimizer):
         if fused:
             # torch's fused kernel itself: it only reads the step counts (torch's wrapper adds
             # 1 first, which we did once per param at the start of the step).
-            kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
             if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
                 lr = lr.to(params[0].device)
             kernel(
@@ -184,7 +193,7 @@ class PagedAdamW(PagedOptimizer):
             torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
             foreach=True,
             fused=False,
-            decoupled_weight_decay=self._decoupled,
+            decoupled_weight_decay=decoupled,
             amsgrad=group["amsgrad"],
             beta1=beta1,
             beta2=beta2,

@@ -4,8 +4,9 @@ Rows: every tightfit policy, budget plans at several budgets, torch's
 ``checkpoint_sequential`` and Hugging Face's ``gradient_checkpointing_enable()``, all measured
 the same way — one training step (forward + backward, fp32) under ``MemoryTracker`` (peak live
 tensor bytes allocated by the step: activations, their gradients, the parameter gradients)
-and the time of an untracked step divided by that of a no-checkpoint step run next to it
-(median over ``--reps`` pairs: the machine is shared, pairing cancels slow load changes). With tightfit's
+and the CPU time of an untracked step divided by that of a no-checkpoint step run next to it
+(median over ``--reps`` pairs). The machine is shared: process CPU time with one torch
+thread is what other jobs' load disturbs least; wall time under load is meaningless. With tightfit's
 chunked head + loss (``tightfit.loss``) available,
 "+ chunked head+loss" rows repeat budget/every with it.
 
@@ -72,9 +73,9 @@ def measure(model: nn.Module, batch: dict, reps: int, install: Callable[[], Call
         secs = {}
         for with_config in ((True, False) if r % 2 == 0 else (False, True)):
             undo = install() if with_config else (lambda: None)
-            t0 = time.perf_counter()
+            t0 = time.process_time()  # CPU seconds of this process: others' load adds none
             step(model, batch)
-            secs[with_config] = time.perf_counter() - t0
+            secs[with_config] = time.process_time() - t0
             undo()
         ratios.append(secs[True] / secs[False])
     model.zero_grad(set_to_none=True)
@@ -123,7 +124,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--reps", type=int, default=2, help="timed pairs per row (median ratio)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: CPU time then measures the work, not the waiting)")
     p.add_argument("--quick", action="store_true", help="8 layers, hidden 128, 2 x 128 tokens")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
@@ -228,7 +230,8 @@ def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: 
         "(every parameter trains). Peak = bytes one training step allocates on top of the "
         "model (activations, their gradients, parameter gradients), measured with "
         "`MemoryTracker` (live CPU storages). Predicted = the plan's prediction from one "
-        "profile of the unchecked step. Time ratio = step time ÷ the time of a no-checkpoint "
+        "profile of the unchecked step. Time ratio = process CPU time of a step ÷ that of a "
+        "no-checkpoint "
         f"step timed next to it (alternating order), median over {args.reps} pair(s) per row. "
         "Predicted "
         "(1 + recompute) = 1 + the plan's predicted recompute time ÷ the profiled step time.",

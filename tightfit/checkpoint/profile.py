@@ -7,7 +7,8 @@ One training step is run twice without any checkpointing:
   blocks' outputs). A saved-tensors hook attributes every storage saved for backward to the
   block (or the prefix, or the tail after the chain) that first saved it — the exact bytes
   checkpointing a block would drop;
-* a **timing pass** with forward timers on the blocks (hooks only, no tracking overhead).
+* timing passes with forward timers on the blocks (hooks only, no tracking overhead; process
+  CPU time on the CPU, synchronized wall time on CUDA).
 
 The tail — final norm, LM head, loss, as the model really runs them (chunked or not) — is
 profiled as the chain's last, stored segment: its bytes are often most of the peak.
@@ -307,6 +308,9 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
 def _timing_pass(model: nn.Module, example: Any, chain: list[nn.Module], device: torch.device,
                  params: list[nn.Parameter]) -> tuple[list[float], float, float]:
     n = len(chain)
+    # On the CPU, process CPU time: on a shared machine other jobs' load inflates wall time
+    # but not the work a block does. On CUDA, wall time after a synchronize.
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for p in params:
         p.grad = None
     starts: dict[int, float] = {}
@@ -317,28 +321,28 @@ def _timing_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
     def pre(i: int):
         def hook(*_: Any) -> None:
             _sync(device)
-            starts[i] = time.perf_counter()
+            starts[i] = clock()
         return hook
 
     def post(i: int):
         def hook(*_: Any) -> None:
             _sync(device)
-            times[i] += time.perf_counter() - starts[i]
+            times[i] += clock() - starts[i]
             if i == n - 1:
-                tail_start[0] = time.perf_counter()
+                tail_start[0] = clock()
         return hook
 
     for i, b in enumerate(chain):
         handles += [b.register_forward_pre_hook(pre(i)), b.register_forward_hook(post(i))]
     try:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = step_loss(model, example)
         _sync(device)
-        tail_s = time.perf_counter() - tail_start[0]
+        tail_s = clock() - tail_start[0]
         loss.backward()
         _sync(device)
-        step_s = time.perf_counter() - t0
+        step_s = clock() - t0
     finally:
         for h in handles:
             h.remove()

@@ -127,3 +127,19 @@ def test_train_setup_rejects_nonsense() -> None:
         TrainSetup(checkpoint="half")
     with pytest.raises(ValueError, match="lora_targets"):
         TrainSetup(lora_targets=("c_attn",))
+
+
+@pytest.mark.slow
+def test_cli_verify_small_config(tmp_path, capsys) -> None:  # noqa: ANN001
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 256, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--model", str(tmp_path), "--gpu", "64MiB", "--overhead", "0",
+            "--seq-len", "16", "--batch", "2", "--lora-r", "4", "--verify", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [v["name"] for v in out["verify"]] == [r["name"] for r in out["rows"]]
+    for entry in out["verify"]:
+        for piece, predicted, measured in entry["pieces"]:
+            assert abs(predicted - measured) <= 0.10 * measured, (entry["name"], piece)

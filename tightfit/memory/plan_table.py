@@ -22,8 +22,13 @@ _COLUMNS = (
 )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f}"
+def _unit(gpu_bytes: int) -> tuple[str, int]:
+    """Print GiB for real devices, MiB (or KiB) for the small ones ``--verify`` runs."""
+    if gpu_bytes >= 4 * 1024**3:
+        return "GiB", 1024**3
+    if gpu_bytes >= 4 * 1024**2:
+        return "MiB", 1024**2
+    return "KiB", 1024
 
 
 def render(report: PlanReport) -> str:
@@ -42,7 +47,8 @@ def render(report: PlanReport) -> str:
             f"LoRA r={setup.lora_r} on {len(setup.lora_targets)} linears/layer "
             f"({setup.adapter_dtype} adapters), AdamW"
         )
-    lines.append(f"device: {format_bytes(report.gpu_bytes)}   (all sizes below in GiB)")
+    unit, scale = _unit(report.gpu_bytes)
+    lines.append(f"device: {format_bytes(report.gpu_bytes)}   (sizes below in {unit})")
     lines.append("")
     name_w = max([len(r.name) for r in rows] + [13]) + 1
     header = f"{'#':>2} {'configuration':<{name_w}}" + "".join(f"{c:>8}" for c, _ in _COLUMNS)
@@ -51,8 +57,9 @@ def render(report: PlanReport) -> str:
     for i, r in enumerate(rows, 1):
         p = r.estimate.pieces()
         mark = "*" if r is report.recommended else " "
-        line = f"{i:>2}{mark}{r.name:<{name_w}}" + "".join(f"{_gib(p[k]):>8}" for _, k in _COLUMNS)
-        line += f"{_gib(r.estimate.total):>8}  {'yes' if r.fits else 'NO':<4} {r.slowdown:>7.2f}x"
+        line = f"{i:>2}{mark}{r.name:<{name_w}}"
+        line += "".join(f"{p[k] / scale:>8.2f}" for _, k in _COLUMNS)
+        line += f"{r.estimate.total / scale:>8.2f}  {'yes' if r.fits else 'NO':<4} {r.slowdown:>7.2f}x"
         lines.append(line)
     lines.append("")
     for i, r in enumerate(rows, 1):

@@ -159,3 +159,31 @@ def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
                "--seq-len", "4096"])
     assert rc == 2
     assert "longer than the model allows" in capsys.readouterr().err
+
+
+def test_model_folder_tokenizer_is_used(tmp_path, tiny_dir) -> None:
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int\n" * 40
+    (tmp_path / "code.txt").write_text(text)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
+
+    from tightfit.train import data as data_mod
+
+    hf = data_mod.HFTokenizer(folder)
+    ids = hf.encode(text)
+    assert len(ids) < len(text.encode()) / 2  # BPE merges, not bytes
+    result = train(_cfg(tmp_path / "out", folder, data=str(tmp_path / "code.txt"), steps=2),
+                   progress=False, log=lambda s: None)
+    assert len(result.history) == 2
+    cfg = json.loads((tmp_path / "out" / "run_config.json").read_text())
+    expected = data_mod.TokenData.from_text(text, hf).fingerprint
+    assert cfg["data.fingerprint"] == expected

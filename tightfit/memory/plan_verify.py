@@ -7,9 +7,11 @@ count tensors:
 
 * weights / constants / LoRA — bytes of the storages of the base weights, of the
   bitsandbytes quantization state, of the adapter parameters;
-* grads — bytes of ``p.grad`` after backward; optimizer — bytes of the optimizer state;
-* activations — the tracker's peak over forward + backward minus the gradients allocated
-  in it (the peak of everything the step allocates beyond weights and gradients);
+* grads — bytes of ``p.grad``; optimizer — bytes of the optimizer state after a step
+  (a paged optimizer's ``memory_stats()``: ``state_bytes`` and the resident ``device_bytes``);
+* activations — the tracker's peak over forward + backward, with the gradients allocated
+  before it (as after ``zero_grad(set_to_none=False)``): what the step allocates beyond
+  weights and gradients;
 * logits/loss — the head + loss run alone on random hidden states, peak minus the
   gradient of those hidden states.
 """
@@ -337,21 +339,14 @@ def relative_error(predicted: int, measured: int) -> float:
 def verify_report(report) -> list[dict]:  # noqa: ANN001 - a PlanReport (import cycle)
     """Measure every configuration of a plan on this machine (small configs only).
 
-    Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows.
-    Configurations whose pieces cannot run here (the chunked loss before
-    :mod:`tightfit.loss` is importable) are measured without that piece and say so.
+    Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows,
+    the configuration's own checkpoint plan (``budget`` as solved for its budget) included.
     """
     out = []
     for row in report.rows:
-        setup = row.setup
-        note = ""
-        if setup.checkpoint == "budget":
-            policy = "budget"
-        else:
-            policy = setup.checkpoint
-        rows = compare(report.shape, setup, (policy,))[policy]
-        out.append({"name": row.name, "note": note,
-                    "pieces": [[n, p, m] for n, p, m in rows]})
+        policy = row.setup.checkpoint
+        rows = compare(report.shape, row.setup, (policy,))[policy]
+        out.append({"name": row.name, "pieces": [[n, p, m] for n, p, m in rows]})
     return out
 
 
@@ -361,7 +356,7 @@ def format_verify(verified: list[dict]) -> str:
 
     lines = ["verify: one real step per configuration on this machine (tensor bytes, CPU)"]
     for entry in verified:
-        lines.append(f"  {entry['name']}" + (f"  ({entry['note']})" if entry["note"] else ""))
+        lines.append(f"  {entry['name']}")
         lines.append(f"    {'piece':<12}{'predicted':>12}{'measured':>12}{'error':>9}")
         for name, pred, meas in entry["pieces"]:
             err = relative_error(pred, meas)

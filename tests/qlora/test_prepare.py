@@ -128,6 +128,20 @@ def test_optimizer_for_builds_over_trainable_params_only() -> None:
         tightfit.optimizer_for(frozen)
 
 
+@pytest.mark.parametrize(
+    ("kind", "betas"),
+    [("paged_adamw8bit", (0.9, 0.999)), ("paged_lion", (0.9, 0.99)), ("paged_lion8bit", (0.9, 0.99))],
+)
+def test_optimizer_for_kinds_and_default_betas(kind: str, betas: tuple[float, float]) -> None:
+    pm = tightfit.prepare(tiny(), checkpoint=None, loss_chunks=None)
+    with tightfit.optimizer_for(pm, kind) as opt:  # type: ignore[arg-type]
+        assert type(opt).__name__.lower() == kind.replace("_", "")
+        assert opt.param_groups[0]["betas"] == betas
+    sgd = tightfit.optimizer_for(pm, "paged_sgd", momentum=0.9)
+    assert sgd.param_groups[0]["momentum"] == 0.9
+    sgd.close()
+
+
 @pytest.mark.cuda
 def test_prepare_quantizes_and_trains_on_cuda() -> None:
     from tightfit.memory.report import measure_report

@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
-import importlib
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-OptimizerKind = Literal["paged_adamw", "paged_adamw8bit", "paged_lion", "paged_sgd", "adamw"]
+from tightfit.optim.adamw import PagedAdam, PagedAdamW
+from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
+from tightfit.optim.lion import PagedLion, PagedLion8bit
+from tightfit.optim.sgd import PagedSGD
 
-# kind -> class name in tightfit.optim ("adamw" is torch's, the reference)
-_PAGED = {
-    "paged_adamw": "PagedAdamW",
-    "paged_adamw8bit": "PagedAdamW8bit",
-    "paged_lion": "PagedLion",
-    "paged_sgd": "PagedSGD",
+OptimizerKind = Literal[
+    "paged_adamw",
+    "paged_adam",
+    "paged_adamw8bit",
+    "paged_adam8bit",
+    "paged_lion",
+    "paged_lion8bit",
+    "paged_sgd",
+    "adamw",
+]
+
+# kind -> paged class ("adamw" is torch's AdamW, the unpaged reference)
+_PAGED: dict[str, type[torch.optim.Optimizer]] = {
+    "paged_adamw": PagedAdamW,
+    "paged_adam": PagedAdam,
+    "paged_adamw8bit": PagedAdamW8bit,
+    "paged_adam8bit": PagedAdam8bit,
+    "paged_lion": PagedLion,
+    "paged_lion8bit": PagedLion8bit,
+    "paged_sgd": PagedSGD,
 }
+# Lion's published default (Chen et al. 2023, also bitsandbytes') differs from Adam's.
+_DEFAULT_BETAS = {"paged_lion": (0.9, 0.99), "paged_lion8bit": (0.9, 0.99)}
 
 
 @dataclass(frozen=True)
@@ -57,26 +74,6 @@ class OptimizerOptions:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {v}.")
 
 
-def _find_class(name: str) -> type | None:
-    """``tightfit.optim.<name>``, looked up in the package or its submodules."""
-    import pkgutil
-
-    pkg = importlib.import_module("tightfit.optim")
-    cls = getattr(pkg, name, None)
-    if cls is not None:
-        return cls
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name in ("demo",):
-            continue
-        try:
-            found = getattr(importlib.import_module(f"tightfit.optim.{mod.name}"), name, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
-
-
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that get gradients (LoRA adapters after :func:`tightfit.prepare`)."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -88,7 +85,7 @@ def optimizer_for(
     *,
     lr: float = 2e-3,
     weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float, float] | None = None,
     eps: float = 1e-8,
     page_bytes: int | None = None,
     device_budget: int | None = None,
@@ -102,7 +99,9 @@ def optimizer_for(
         model: A prepared model (only parameters with ``requires_grad`` are optimized).
         kind: ``"paged_adamw"`` (default), ``"paged_adamw8bit"``, ``"paged_lion"``,
             ``"paged_sgd"``, or ``"adamw"`` (torch's AdamW, no paging: the reference).
-        lr, weight_decay, betas, eps: The usual hyperparameters.
+        lr, weight_decay, eps: The usual hyperparameters.
+        betas: ``None`` takes the kind's default: (0.9, 0.999) for Adam kinds, (0.9, 0.99)
+            for Lion.
         page_bytes, device_budget, host_budget, spill_dir: Paging options (bytes); ignored
             by ``"adamw"``.
         **extra: Passed on to the optimizer class.
@@ -125,22 +124,13 @@ def optimizer_for(
             "the model has no trainable parameters; prepare it with LoRA "
             "(tightfit.prepare(model, lora={...})) or unfreeze some parameters."
         )
-    cls = _find_class(_PAGED[opts.kind]) if opts.kind != "adamw" else None
-    if cls is None and opts.kind == "paged_adamw":
-        # The paged optimizer may be absent from a partial build: train with the reference.
-        warnings.warn(
-            "tightfit.optim.PagedAdamW is not available; using torch.optim.AdamW (no paging).",
-            stacklevel=2,
-        )
-    if opts.kind == "adamw" or (cls is None and opts.kind == "paged_adamw"):
+    if betas is None:
+        betas = _DEFAULT_BETAS.get(opts.kind, (0.9, 0.999))
+    if opts.kind == "adamw":
         return torch.optim.AdamW(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra
         )
-    if cls is None:
-        raise ValueError(
-            f"optimizer {opts.kind!r} is not available in this build of tightfit; "
-            "use kind='paged_adamw' or kind='adamw'."
-        )
+    cls = _PAGED[opts.kind]
     paging: dict[str, Any] = {
         "device_budget": device_budget,
         "host_budget": host_budget,
@@ -151,6 +141,6 @@ def optimizer_for(
     hyper: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
     if opts.kind != "paged_sgd":
         hyper["betas"] = betas
-    if opts.kind in ("paged_adamw", "paged_adamw8bit"):
+    if opts.kind.startswith("paged_adam"):
         hyper["eps"] = eps
     return cls(params, **hyper, **paging, **extra)

@@ -6,4 +6,6 @@ Modules:
     dtensor: local-shard helpers an optimizer uses to page and export DTensor state.
     dcp: save/resume model + optimizer with torch.distributed.checkpoint (any rank count).
     selfcheck: ``torchrun … -m tightfit.distributed.selfcheck``: paged vs torch AdamW.
+    training: ``TrainJob``, what ``tightfit train`` asks when launched by torchrun.
+    plots: per-rank memory plot of a distributed run.
 """

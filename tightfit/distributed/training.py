@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
-from tightfit.distributed.dtensor import local_numel
+from tightfit.distributed.dtensor import is_dtensor, local_numel
 from tightfit.distributed.parallelize import shard_model
 
 DCP_DIR = "dcp"
@@ -217,9 +217,17 @@ class TrainJob:
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded trainable params (peft's adapter keys), on rank 0; every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Unsharded trainable params (peft's adapter keys) on rank 0; every rank must call it.
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in get_model_state_dict(model, options=opts).items() if k in names}
+    Only what trains is gathered (one ``full_tensor()`` per sharded param, the same order on
+    every rank): a full state dict would also copy the frozen 4-bit base to host RAM.
+    """
+    out = {}
+    main = torch.distributed.get_rank() == 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = p.full_tensor() if is_dtensor(p) else p
+        if main:
+            out[name] = full.detach().to("cpu", copy=True)
+    return out

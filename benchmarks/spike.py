@@ -179,7 +179,7 @@ def child_main(ns: argparse.Namespace) -> None:
     params = list(model.parameters())
     state_bytes = 2 * sum(p.numel() * p.element_size() for p in params)
     emit(event="start", rss=probe.used_bytes(), state_bytes=state_bytes,
-         cgroup_limit=probe.capacity_bytes())
+         cgroup_limit=probe.capacity_bytes(), load=os.getloadavg()[0])
     watch = None
     if ns.child == "torch":
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
@@ -205,7 +205,8 @@ def child_main(ns: argparse.Namespace) -> None:
             rec.update(resident=st["resident_bytes"], evictions=st["evictions"],
                        restores=st["restores"])
         emit(event="step", **rec)
-    done = {"hwm": RSSProbe.process_peak_bytes(), "probe_peak": probe.peak_bytes}
+    done = {"hwm": RSSProbe.process_peak_bytes(), "probe_peak": probe.peak_bytes,
+            "load": os.getloadavg()[0]}
     if watch is not None:
         done.update(max_growth=watch.stats.max_growth_bytes, watch_reads=watch.stats.reads,
                     watch_s=watch.stats.time_s)
@@ -222,8 +223,9 @@ def child_main(ns: argparse.Namespace) -> None:
 def overhead_main(ns: argparse.Namespace, batches: list, emit) -> None:  # noqa: ANN001
     """Short batches only (no pressure): torch AdamW vs PagedAdamW vs PagedAdamW + watch.
 
-    The three runs step in turn (A, B, C, A, B, C, ...) so that load from other processes on
-    the machine falls on all three alike; each has its own copy of the model.
+    The three runs step in turn, the order rotating each round (A B C, B C A, C A B, ...), so
+    that load from other processes on the machine falls on all three alike; each has its own
+    copy of the model.
     """
     from tightfit import PagedAdamW
     from tightfit.paging.probes import RSSProbe
@@ -244,8 +246,10 @@ def overhead_main(ns: argparse.Namespace, batches: list, emit) -> None:  # noqa:
         runs[name] = (model, opt, watch)
     times: dict[str, list[float]] = {k: [] for k in runs}
     short = [x for x, is_long in batches if not is_long]
+    names = list(runs)
     for i, x in enumerate(short):
-        for name, (model, opt, _) in runs.items():
+        for name in names[i % 3 :] + names[: i % 3]:
+            model, opt, _ = runs[name]
             t0 = time.perf_counter()
             model.loss(x).backward()
             opt.step()
@@ -473,6 +477,13 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
             f"{step_med(r, True):.3f} |"
         )
     d = _done(paged)
+    paged_total = sum(st["dt"] for st in _steps(paged))
+    paged_share = (d.get("pressure_seconds", 0.0) + d.get("stall_seconds", 0.0)) / max(
+        paged_total, 1e-9
+    )
+    loads = {name: next((r.get("load") for r in res.records if r.get("event") == "start"), None)
+             for name, res in (("calibration", calib), ("capped torch", capped_torch),
+                               ("paged", paged))}
     lines += [
         "",
         "Peak RSS is the kernel's high-water mark of the process (`wait4`); the cgroup peak also "
@@ -486,13 +497,22 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
             f"{d.get('restores', 0)} restores ({_mib(d.get('restored_bytes'))} MiB), "
             f"{d.get('oom_recoveries', 0)} OOM recoveries; highest RSS the probe read "
             f"{_mib(d.get('probe_peak'))} MiB vs target {_mib(target)} MiB "
-            f"({d.get('watch_reads', 0)} watch reads, {d.get('watch_s', 0.0):.3f} s in hooks).",
+            f"({d.get('watch_reads', 0)} watch reads, {d.get('watch_s', 0.0):.3f} s in hooks, "
+            "evictions included).",
             "",
-            f"Step time under pressure: PagedAdamW under the cap vs torch AdamW without one "
+            f"Time tightfit spent on pressure (probe reads, evictions, restores): "
+            f"{d.get('pressure_seconds', 0.0):.2f} s, plus {d.get('stall_seconds', 0.0):.2f} s "
+            f"the updates waited for streamed pages — **{100 * paged_share:.1f} %** of the paged "
+            f"run's {paged_total:.1f} s of steps. This is measured inside the run, so it does "
+            "not depend on how loaded the machine was during the other runs.",
+            "",
+            f"Step-time medians across runs: PagedAdamW under the cap vs torch AdamW without one "
             f"(calibration): long steps x{step_med(paged, True) / step_med(calib, True):.2f}, "
-            f"short steps x{step_med(paged, False) / step_med(calib, False):.2f} (long steps "
-            "include draining the state to the spill file, streaming it through the update and "
-            "bringing it back; torch AdamW cannot run under this cap at all).",
+            f"short steps x{step_med(paged, False) / step_med(calib, False):.2f} — runs one after "
+            "the other on a shared machine (1-min load at each run's start: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in loads.items() if v is not None)
+            + "), so this ratio mostly measures the load; the share above is the reliable "
+            "figure. torch AdamW cannot run under this cap at all.",
             "",
             "Events, consecutive moves with the same reason merged (pages move in 4-page chunks "
             "on the CPU); time is seconds since the first event:",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class OccupancyCounts:
     restores: int = 0  # calls that brought pages back
     evicted_bytes: int = 0  # net device bytes freed by evictions
     restored_bytes: int = 0  # net device bytes taken back by restores
+    seconds: float = 0.0  # wall time spent reading the probe and moving pages
     over_target_reads: int = 0  # readings between steps that found usage above the target
 
 
@@ -102,6 +104,13 @@ class OccupancyControl:
         Returns:
             Device bytes freed (0 when nothing is left to evict).
         """
+        t0 = time.perf_counter()
+        try:
+            return self._relieve(need_bytes, reason)
+        finally:
+            self.counts.seconds += time.perf_counter() - t0
+
+    def _relieve(self, need_bytes: int, reason: str) -> int:
         store = self.store
         if need_bytes <= 0 or not store.materialized or store.resident_bytes() == 0:
             return 0
@@ -126,6 +135,13 @@ class OccupancyControl:
                 the restore margin) *and* leave the watch's margin free once the gradients
                 are gone, so the next forward does not push them straight out again.
         """
+        t0 = time.perf_counter()
+        try:
+            self._before_step(grad_bytes)
+        finally:
+            self.counts.seconds += time.perf_counter() - t0
+
+    def _before_step(self, grad_bytes: int) -> None:
         store = self.store
         used = self.probe.used_bytes()
         if not store.materialized:
@@ -136,7 +152,7 @@ class OccupancyControl:
             return
         if used > self.target_bytes:
             self.counts.over_target_reads += 1
-            self.relieve(used - self.target_bytes, self._why("over target before step", used))
+            self._relieve(used - self.target_bytes, self._why("over target before step", used))
             return
         budget = store.device_budget
         limit = store.device_limit
@@ -212,6 +228,7 @@ class OccupancyControl:
             "evicted_bytes": c.evicted_bytes,
             "restored_bytes": c.restored_bytes,
             "over_target_reads": c.over_target_reads,
+            "pressure_seconds": c.seconds,
         }
         live = [w for w in self.watches if w.active]
         if live:

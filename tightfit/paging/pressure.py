@@ -119,7 +119,8 @@ class WatchStats:
         max_growth_bytes: Largest increase of usage seen between two consecutive readings
             (from the earlier reading to the later one, or to the probe's high-water mark
             in between when it has one: see ``Probe.interval_peak_bytes``).
-        time_s: Wall time spent inside the hooks, callbacks included.
+        time_s: Wall time spent inside the hooks (installing the gradient hooks included),
+            callbacks included.
     """
 
     hook_calls: int = 0
@@ -266,10 +267,12 @@ class PressureWatch:
         def hook(module: nn.Module, args: object, output: object) -> None:
             if not torch.is_grad_enabled():
                 return
+            t0 = time.perf_counter()
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(grad_hook)
-                    return
+                    break
+            self.stats.time_s += time.perf_counter() - t0
 
         return hook
 

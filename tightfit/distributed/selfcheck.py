@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=2, default=str)
         print(f"selfcheck {opts.strategy}/{opts.optim} on {info.world_size} rank(s): "
               f"{diffs} tol={opts.tol} -> {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
-    launch.close()
+    if info.distributed:  # a plain process may hold a group it did not make: leave it
+        launch.close()
     return 0 if ok else 1
 
 

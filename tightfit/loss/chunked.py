@@ -17,9 +17,11 @@ Two strategies, same numbers:
   and for callers who must not compute gradients in forward (e.g. forward-only probes that
   still need a graph).
 
-The per-chunk loss is exactly HF's ``ForCausalLMLoss``: logits upcast to fp32,
-``F.cross_entropy(reduction="sum")`` divided by the number of non-ignored labels (or by
-``num_items_in_batch``), labels padded with ``ignore_index`` and shifted left by one.
+The loss is HF's ``ForCausalLMLoss``: logits upcast to fp32, the summed cross-entropy
+divided by the number of non-ignored labels (or by ``num_items_in_batch``), labels padded
+with ``ignore_index`` and shifted left by one. ``"recompute"`` calls ``F.cross_entropy``
+itself; ``"precompute"`` computes the same math in place in one fp32 buffer per chunk
+(log-sum-exp for the loss, softmax minus one-hot for the gradient; see :func:`_xent_`).
 """
 
 from __future__ import annotations

@@ -172,3 +172,38 @@ def test_bad_input_is_refused_before_any_change():
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         enable_chunked_loss(model)
     assert "forward" not in model.__dict__ and not is_chunked_loss_enabled(model)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_other_layouts_backbone_prefix_and_head_name(arch):
+    # GPT-2: backbone `transformer`; GPT-NeoX: backbone `gpt_neox`, head `embed_out`
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=V,
+            n_embd=32,
+            n_layer=1,
+            n_head=4,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.GPTNeoXConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        )
+        model = transformers.GPTNeoXForCausalLM(config)
+    ids, labels = batch()
+    ref, ref_grads = loss_and_grads(model, ids, labels)
+    enable_chunked_loss(model, 9)
+    got, got_grads = loss_and_grads(model, ids, labels)
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-6 * abs(ref.loss.item())
+    assert_grads_equal(got_grads, ref_grads, 1e-6)

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
@@ -243,6 +244,7 @@ class _PrecomputedChunkLoss(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable  # the stored gradients are constants: no double backward
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_h, *grads = ctx.saved_tensors
         # In place: these buffers belong to this node alone (a second backward through the

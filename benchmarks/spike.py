@@ -407,6 +407,11 @@ def parent_main(ns: argparse.Namespace) -> int:
         cap, cap_bytes, work / "paged.jsonl",
     )
     print(f"   rc={paged.returncode}, steps done {len(_steps(paged))}", flush=True)
+    print("3b/4 PagedAdamW + watch, default (adaptive) margin", flush=True)
+    paged_default = run_child(
+        ["paged", "--target", str(target), *margs], cap, cap_bytes, work / "paged-default.jsonl"
+    )
+    print(f"   rc={paged_default.returncode}, steps done {len(_steps(paged_default))}", flush=True)
 
     print("4/4 overhead without pressure (no cap)", flush=True)
     over = run_child(["overhead", *margs, "--steps", str(ns.overhead_steps), "--every", "0"],
@@ -414,7 +419,7 @@ def parent_main(ns: argparse.Namespace) -> int:
     over_rec = next((r for r in over.records if r.get("event") == "overhead"), None)
 
     text = report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, target,
-                  margin, calib, capped_torch, paged, over_rec)
+                  margin, calib, capped_torch, paged, paged_default, over_rec)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -424,7 +429,7 @@ def parent_main(ns: argparse.Namespace) -> int:
 
 
 def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, target, margin,  # noqa: ANN001
-           calib, capped_torch, paged, over) -> str:
+           calib, capped_torch, paged, paged_default, over) -> str:
     def outcome(r: ChildResult) -> str:
         if r.killed:
             return f"killed (SIGKILL) after {len(_steps(r))} of {ns.steps} steps"
@@ -470,12 +475,22 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
     ]
     for name, r in (("torch AdamW (fused), no limit [calibration]", calib),
                     ("torch AdamW (fused), capped", capped_torch),
-                    ("PagedAdamW + watch, target under cap", paged)):
+                    ("PagedAdamW + watch, target under cap, calibrated margin", paged),
+                    ("PagedAdamW + watch, same target, default margin", paged_default)):
         lines.append(
             f"| {name} | {outcome(r)} | {_mib(r.maxrss_bytes)} | {_mib(r.cgroup_peak_bytes)} | "
             f"{'—' if r.oom_kills is None else r.oom_kills} | {step_med(r, False):.3f} | "
             f"{step_med(r, True):.3f} |"
         )
+    dd = _done(paged_default)
+    default_line = (
+        f"With the watch's default margin (adaptive: max(target/16, 2 x the largest growth "
+        f"seen), no calibration): {dd.get('evictions', 0)} evictions, {dd.get('restores', 0)} "
+        f"restores, largest growth learned {_mib(dd.get('max_growth'))} MiB, highest probe "
+        f"reading {_mib(dd.get('probe_peak'))} MiB vs target {_mib(target)} MiB, "
+        f"{dd.get('pressure_seconds', 0.0):.2f} s on pressure."
+        if dd else "The default-margin run left no final record (see the table)."
+    )
     d = _done(paged)
     paged_total = sum(st["dt"] for st in _steps(paged))
     paged_share = (d.get("pressure_seconds", 0.0) + d.get("stall_seconds", 0.0)) / max(
@@ -514,7 +529,9 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
             + "), so this ratio mostly measures the load; the share above is the reliable "
             "figure. torch AdamW cannot run under this cap at all.",
             "",
-            "Events, consecutive moves with the same reason merged (pages move in 4-page chunks "
+            default_line,
+            "",
+            "Events of the calibrated-margin run, consecutive moves with the same reason merged (pages move in 4-page chunks "
             "on the CPU); time is seconds since the first event:",
             "",
         ]

@@ -143,3 +143,21 @@ def test_cli_verify_small_config(tmp_path, capsys) -> None:  # noqa: ANN001
     for entry in out["verify"]:
         for piece, predicted, measured in entry["pieces"]:
             assert abs(predicted - measured) <= 0.10 * measured, (entry["name"], piece)
+
+
+def test_train_args_parse_as_tightfit_train_options() -> None:
+    from tightfit.cli import build_parser
+    from tightfit.train.cli import config_from_args
+
+    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch=2)
+    for row in report.rows:
+        args = build_parser().parse_args(["train", *row.train_args])
+        cfg = config_from_args(args)
+        s = row.setup
+        assert (cfg.train.seq_len, cfg.train.batch_size, cfg.lora.r) == (s.seq_len, s.batch, s.lora_r)
+        assert cfg.prepare.quant == ("nf4" if s.quant == "nf4" else None)
+        assert (cfg.prepare.checkpoint or "none") == s.checkpoint
+        assert cfg.prepare.checkpoint_budget == (s.checkpoint_budget if s.checkpoint == "budget"
+                                                 else None)
+        assert cfg.prepare.loss_chunks == s.loss_chunk_tokens
+        assert cfg.optimizer.kind == s.optimizer

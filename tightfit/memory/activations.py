@@ -21,7 +21,8 @@ Saved per layer (frozen base: a frozen linear saves no input; only adapters do):
 
 The backward transients (gradients of the layer's intermediates in flight) are
 ``BWD_I`` · T·i·d (+ ``BWD_H16`` · T·h·4 of fp32 gradients in 16-bit compute), or one
-dequantized weight for 4-bit layers when that is larger; ``BWD_*`` were calibrated against :class:`~tightfit.memory.MemoryTracker` on small
+dequantized weight with its linear's gradients for 4-bit layers when that is larger;
+``BWD_*`` were calibrated against :class:`~tightfit.memory.MemoryTracker` on small
 configurations (see ``tests/memory/test_estimate.py`` and docs/plan.md).
 """
 
@@ -127,8 +128,8 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     The largest moment is inside the SwiGLU backward: ``BWD_I`` · T·i·d of gradients, plus
     the adapters' r-wide gradients. A 16-bit compute dtype adds ``BWD_H16`` · T·h·4 of fp32
     gradients (RMSNorm and the fp32 adapters compute their gradients in fp32). A 4-bit or
-    8-bit layer dequantizes its weight for the input gradient; that copy is freed before the
-    SwiGLU moment, so it counts only when it is the larger one.
+    8-bit layer dequantizes its weight for the input gradient, beside that linear's input
+    and output gradients; the larger of the two moments counts.
     """
     t, d = setup.tokens, setup.d
     mlp = BWD_I * t * shape.intermediate * d + 3 * t * setup.lora_r * setup.a
@@ -136,8 +137,11 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
         mlp += BWD_H16 * t * shape.hidden * 4
     dequant = 0
     if setup.quant in ("nf4", "int8"):
-        dequant = max(fi * fo for fi, fo in shape.linear_shapes().values()) * d
-        dequant += 2 * t * shape.hidden * d
+        # a quantized linear's backward: its dequantized weight beside its input and output
+        # gradients (and the fp32 gradients of 16-bit compute)
+        dequant = max(fi * fo * d + t * (fi + fo) * d for fi, fo in shape.linear_shapes().values())
+        if d != 4:
+            dequant += BWD_H16 * t * shape.hidden * 4
     return int(max(mlp, dequant))
 
 
@@ -165,13 +169,14 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     )
 
 
-def chunked_loss_resident_bytes(shape: ModelShape, setup: TrainSetup) -> int:
-    """Bytes the chunked loss keeps alive from its forward through the whole backward.
+def quantized_backward_extra_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """Bytes a 4-bit / 8-bit base holds on top through the layers' backward.
 
-    Its gradients are computed in forward and held for backward: T·h·4 in fp32 compute,
-    T·h·8 in 16-bit (calibrated against whole-model steps with the tracker).
+    T·h·4 in fp32 compute, T·h·8 in 16-bit: calibrated against whole-model steps with the
+    tracker (it appears with a quantized base, with or without the chunked loss, and not
+    at the start of backward).
     """
-    if setup.loss_chunk_tokens is None:
+    if setup.quant == "none":
         return 0
     return setup.tokens * shape.hidden * (4 if setup.d == 4 else 8)
 
@@ -207,17 +212,16 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
     trans = backward_transient_bytes(shape, setup)
     kept = [saved(s, e) if not ck else x for s, e, ck in segments]
     start_of_backward = sum(kept) + final_norm_bytes(shape, setup)
-    persistent = chunked_loss_resident_bytes(shape, setup)
-    start_of_backward += persistent
+    extra = quantized_backward_extra_bytes(shape, setup)
     best_layers, best_head = start_of_backward, head
     # the final RMSNorm's backward, once the head is done: the hidden-state gradient and
     # two fp32 gradients of the norm (visible when a chunked head keeps the head small)
     t, h = setup.tokens, shape.hidden
-    norm_backward = start_of_backward + t * h * setup.d + 2 * t * h * 4
+    norm_backward = start_of_backward + extra + t * h * setup.d + 2 * t * h * 4
     if norm_backward > best_layers + best_head:
         best_layers, best_head = norm_backward, 0
     for j, (s, e, ck) in enumerate(segments):
-        before = sum(kept[:j]) + persistent
+        before = sum(kept[:j]) + extra
         own = saved(s, e) - (dup if ck and s > 0 else 0)
         if ck and setup.d != 4:
             own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive

@@ -10,6 +10,7 @@ interface with a free port, and kills the whole process tree on timeout so nothi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -169,7 +170,8 @@ def run_torchrun(
         The completed process (text stdout/stderr); check ``returncode``.
 
     Raises:
-        subprocess.TimeoutExpired: if the job outlived ``timeout_s`` (it has been killed).
+        subprocess.TimeoutExpired: if the job outlived ``timeout_s`` (launcher and workers
+            have been killed).
     """
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -190,7 +192,30 @@ def run_torchrun(
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(proc.args, timeout_s, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process it started.
+
+    torchrun starts each worker in a session of its own, so killing the launcher's process
+    group alone leaves the workers running: freeze the launcher (no new workers), collect its
+    descendants, then kill them all.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        root.suspend()
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # anything else left in the launcher's own group
+    psutil.wait_procs(procs, timeout=5)

@@ -256,7 +256,11 @@ def measure(shape: ModelShape, setup: TrainSetup,
         p.grad = torch.zeros_like(p)
     ids = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
     peaks: dict[str, int] = {}
+    by_plan: dict[tuple[Segment, ...], int] = {}
     for name, segments in plans.items():
+        if tuple(segments) in by_plan:  # the same plan under another name: same step
+            peaks[name] = by_plan[tuple(segments)]
+            continue
         _apply_segments(model, segments)
         with MemoryTracker("cpu") as mt:
             out = model(input_ids=ids, labels=ids)
@@ -268,7 +272,7 @@ def measure(shape: ModelShape, setup: TrainSetup,
             del loss
             if setup.keep_logits:
                 del out
-        peaks[name] = mt.peak_bytes
+        peaks[name] = by_plan[tuple(segments)] = mt.peak_bytes
     _remove_segments(model)
     grads = _storages(p.grad for p in lora_params)
     opt = _optimizer(model, setup)

@@ -64,7 +64,9 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind,
         extra = b.selective_unsaved_bytes if sel else 0  # kept although autograd wouldn't
         d = b.saved_bytes - kept - (held_input if m == start else 0)
         peak = max(peak, b.fwd_peak_bytes - dropped + extra, b.bwd_peak_bytes + kept_input + extra)
-        recompute_peak = max(recompute_peak, recomputed + b.fwd_peak_bytes - b.fwd_start_bytes)
+        # a selective recompute takes the kept outputs from torch's cache, not new memory
+        recompute_peak = max(recompute_peak,
+                             recomputed + b.fwd_peak_bytes - b.fwd_start_bytes - kept)
         recomputed += b.saved_bytes - (kept - extra)
         dropped += d
         recompute_s += b.forward_s - (b.selective_forward_s if sel else 0.0)

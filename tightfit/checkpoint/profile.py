@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,11 +95,17 @@ class Profile:
 
 
 class _OpRecorder(TorchDispatchMode):
-    """Per block: outputs of the ops selective checkpointing keeps, and their share of time."""
+    """Per block: outputs of the ops selective checkpointing keeps, and their share of time.
+
+    Outputs are recorded as ``[block, nbytes, alive]`` with a finalizer that clears ``alive``
+    when the storage is freed: an output dead by the end of the forward is one autograd did
+    not save (and selective checkpointing keeps anyway). Pointers alone would not do: the
+    allocator reuses a freed output's address for a later one.
+    """
 
     def __init__(self, block_of: list[int]) -> None:
         super().__init__()
-        self.kept: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
+        self.kept: list[list[Any]] = []
         self.op_s: dict[int, float] = {}  # block -> time of all ops
         self.kept_s: dict[int, float] = {}  # block -> time of the kept ops
         self._block_of = block_of
@@ -112,9 +119,11 @@ class _OpRecorder(TorchDispatchMode):
         if func in SAVED_OPS:
             self.kept_s[b] = self.kept_s.get(b, 0.0) + dt
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and t.numel():
                     st = t.untyped_storage()
-                    self.kept.setdefault(st.data_ptr(), (b, st.nbytes()))
+                    entry = [b, st.nbytes(), True]
+                    self.kept.append(entry)
+                    weakref.finalize(st, entry.__setitem__, 2, False)
         return out
 
 
@@ -259,6 +268,7 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
                 loss = step_loss(model, example)
+            kept_at_fwd_end = [(b, nb, alive) for b, nb, alive in recorder.kept]
             mt.mark("bwd_tail")
             loss.backward()
         finally:
@@ -281,15 +291,15 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
         bwd_vals[i] = (last_start, last_peak)
     for i in range(n):
         mine = {p: nb for p, (b, nb) in saved.items() if b == i}
-        kept = {p: nb for p, (b, nb) in recorder.kept.items() if b == i}
+        kept = [(nb, alive) for b, nb, alive in kept_at_fwd_end if b == i]
         op_s = recorder.op_s.get(i, 0.0)
         per_block.append({
             "input_bytes": inputs[i][1],
             "saved_bytes": sum(mine.values()),
             "saves_input": inputs[i][0] in mine,
             "saved_tensors": packs[i],
-            "selective_bytes": sum(kept.values()),
-            "selective_unsaved_bytes": sum(nb for p, nb in kept.items() if p not in mine),
+            "selective_bytes": sum(nb for nb, _ in kept),
+            "selective_unsaved_bytes": sum(nb for nb, alive in kept if not alive),
             "kept_share": recorder.kept_s.get(i, 0.0) / op_s if op_s > 0 else 0.0,
             "fwd_start_bytes": fwd[i],
             "fwd_peak_bytes": phases[f"fwd{i}"][0],

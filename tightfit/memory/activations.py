@@ -17,7 +17,8 @@ Saved per layer (frozen base: a frozen linear saves no input; only adapters do):
 * SDPA (flash / memory-efficient kernels): q, k, v, the output, and the log-sum-exp
   (batch·heads·seq·4);
 * SwiGLU: gate, up and silu(gate) outputs (3·T·i·d);
-* each adapter: its r-wide hidden (T·r·a); with dropout, the dropped input and its mask.
+* each adapter: its r-wide hidden (T·r·a); with dropout, per adapter the dropped input,
+  its keep-mask and a compute-dtype copy (T·in·(a + 1 + d), fitted).
 
 The backward transients (gradients of the layer's intermediates in flight) are
 ``BWD_I`` · T·i·d (+ ``BWD_H16`` · T·h·4 of fp32 gradients in 16-bit compute), or one
@@ -108,7 +109,9 @@ def layer_saved_bytes(shape: ModelShape, setup: TrainSetup, *, first: bool = Fal
         if not hit:
             continue
         if setup.lora_dropout > 0:
-            total += len(hit) * t * width * (a + 1)  # dropped copy + bool mask per adapter
+            # per adapter: the dropped input in the adapter dtype, the 1-byte keep-mask and a
+            # compute-dtype copy (a + 1 + d bytes per value; fitted on the CPU within ±4 %)
+            total += len(hit) * t * width * (a + 1 + d)
         elif a != d:
             total += len(hit) * t * width * a
         elif needs_copy:

@@ -206,8 +206,8 @@ def main() -> int:
         plan = ck.enable(model, "every", profiled=cprof)
         ck.disable(model)
         row("every + chunked head+loss", chunked("every"), plan,
-            f"tail peak {cprof.tail_peak_bytes / MIB:.0f} MiB (unchunked "
-            f"{prof.tail_peak_bytes / MIB:.0f})")
+            f"peak of the unchecked step while head+loss run: "
+            f"{cprof.tail_peak_bytes / MIB:.0f} MiB (unchunked {prof.tail_peak_bytes / MIB:.0f})")
         b = min_peak(cprof)
         plan = ck.enable(model, "budget", budget=b, profiled=cprof)
         ck.disable(model)

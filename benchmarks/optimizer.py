@@ -252,13 +252,13 @@ def main() -> int:
     parser.add_argument("--threads", default=None,
                         help="comma list of torch thread counts, one section each "
                         "(default: torch's default, then 1)")
-    parser.add_argument("--page-mib", type=int, default=None, help="page size (default 4; 1 quick)")
+    parser.add_argument("--page-mib", type=int, default=None, help="page size (default 8; 1 quick)")
     parser.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "optimizer.md"))
     args = parser.parse_args()
     n = args.params or (5_000_000 if args.quick else 50_000_000)
     rounds = args.rounds or (3 if args.quick else 7)
-    page = (args.page_mib or (1 if args.quick else 4)) * MIB
+    page = (args.page_mib or (1 if args.quick else 8)) * MIB
     default_threads = torch.get_num_threads()
     threads = ([int(t) for t in args.threads.split(",")] if args.threads
                else list(dict.fromkeys([default_threads, 1])))

@@ -23,12 +23,13 @@ from typing import Any
 from tightfit.memory.estimate import Estimate, Overhead, TrainSetup, estimate
 from tightfit.memory.presets import ModelShape, load_shape
 from tightfit.memory.sizes import format_bytes, parse_bytes
+from tightfit.optim.base import DEFAULT_PAGE_BYTES
 
 # Assumed cost ratios (see module doc); stated in every printed plan.
 QUANT_SLOWDOWN = {"none": 1.0, "nf4": 1.15, "int8": 1.3}
 DEFAULT_LINK_GBPS = 20.0  # host <-> device, PCIe 4.0 x16 in practice
 DEFAULT_GPU_TFLOPS = 100.0  # effective bf16 matmul throughput of a training step
-PAGE_BYTES = 4 << 20  # tightfit.optim's default page size
+PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
 
 
 @dataclass(frozen=True)

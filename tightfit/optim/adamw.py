@@ -41,7 +41,7 @@ class PagedAdamW(PagedOptimizer):
         weight_decay: decoupled weight decay (>= 0).
         amsgrad: keep the running maximum of ``exp_avg_sq``.
         maximize: maximize the objective instead of minimizing it.
-        page_bytes: the most bytes one page holds (default 4 MiB).
+        page_bytes: the most bytes one page holds (default 8 MiB).
         device_budget: bytes of state allowed on the params' device (``None``: no limit).
         host_budget: bytes of state in host RAM when params are on an accelerator.
         spill_dir: parent folder of the spill files (default: a temp folder, removed on close).

@@ -33,6 +33,11 @@ timeout 150 "$PY" -m pytest -q -m cuda tests --deselect tests/optim/test_adamw_c
 
 # --- append further GPU checks here: section "..."; timeout N command || status=1 -----------
 
+# --- end to end (issue 5): tightfit stack vs HF stack on the GPU (bf16), peak + step time ---
+section "e2e: tightfit vs HF + bitsandbytes + peft stack on CUDA"
+timeout 150 "$PY" benchmarks/e2e.py --out benchmarks/results/e2e_cuda.md 2>&1 | tee -a "$LOG" \
+  | tail -8 || status=1
+
 # --- distributed (issue 7): 2-GPU FSDP2/DDP with PagedAdamW, NCCL; only with >= 2 GPUs -----
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${NGPU:-0}" -ge 2 ]; then

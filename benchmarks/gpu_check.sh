@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one script a lent GPU machine runs end to end (single GPU, under 8 minutes).
+# The one script a lent GPU machine runs end to end (single GPU: its timeouts add up to 470 s,
+# under 8 minutes; the 2-GPU distributed sections run only where 2+ GPUs are visible).
 # Each section is self-contained and time-boxed; engineers append their own GPU checks below
 # in a new section (keep the whole script under 8 minutes). Results land in
 # benchmarks/results/*_cuda.md; the pytest logs in benchmarks/results/gpu_check.log.
@@ -21,21 +22,21 @@ section() { echo; echo "=== $1 ===" | tee -a "$LOG"; }
 
 # --- paged optimizer core (issue 2): CUDA tests, then the comparison with bitsandbytes ----
 section "paged optimizer: CUDA tests"
-timeout 180 "$PY" -m pytest -q -m cuda tests/optim/test_adamw_cuda.py 2>&1 | tee -a "$LOG" \
+timeout 150 "$PY" -m pytest -q -m cuda tests/optim/test_adamw_cuda.py 2>&1 | tee -a "$LOG" \
   | tail -3 || status=1
 section "paged optimizer: CUDA benchmark vs torch fused and bitsandbytes PagedAdamW"
-timeout 120 "$PY" benchmarks/optimizer_cuda.py 2>&1 | tee -a "$LOG" | tail -12 || status=1
+timeout 100 "$PY" benchmarks/optimizer_cuda.py 2>&1 | tee -a "$LOG" | tail -12 || status=1
 
 # --- all other CUDA-marked tests (every engineer's; keep them fast) -------------------------
 section "other CUDA tests"
-timeout 150 "$PY" -m pytest -q -m cuda tests --deselect tests/optim/test_adamw_cuda.py \
+timeout 120 "$PY" -m pytest -q -m cuda tests --deselect tests/optim/test_adamw_cuda.py \
   2>&1 | tee -a "$LOG" | tail -5 || status=1
 
 # --- append further GPU checks here: section "..."; timeout N command || status=1 -----------
 
 # --- end to end (issue 5): tightfit stack vs HF stack on the GPU (bf16), peak + step time ---
 section "e2e: tightfit vs HF + bitsandbytes + peft stack on CUDA"
-timeout 150 "$PY" benchmarks/e2e.py --out benchmarks/results/e2e_cuda.md 2>&1 | tee -a "$LOG" \
+timeout 100 "$PY" benchmarks/e2e.py --out benchmarks/results/e2e_cuda.md 2>&1 | tee -a "$LOG" \
   | tail -8 || status=1
 
 # --- distributed (issue 7): 2-GPU FSDP2/DDP with PagedAdamW, NCCL; only with >= 2 GPUs -----

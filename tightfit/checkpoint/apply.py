@@ -9,6 +9,11 @@ recorded with its keyword arguments (attention masks, position embeddings, …),
 block closes the frame. In backward, torch recomputes the frame by replaying the recorded
 calls, feeding each block the replayed output of the block before it. RNG state is
 preserved by torch, so dropout masks match. Only the first block's inputs are kept.
+
+The replay calls each block as a module (``block(*args, **kwargs)``), so the module hooks on
+the blocks run in the recompute as in forward: FSDP2's unshard (``reshard_after_forward=True``),
+``PressureWatch``'s pre-forward check, user hooks. While a runner replays, its patched
+``forward`` steps aside and runs the original, so the replay opens no frame of its own.
 """
 
 from __future__ import annotations
@@ -47,35 +52,63 @@ class SegmentRunner:
         self.offload = offload
         self.context_fn = selective_context_fn if segment.kind == "selective" else noop_context_fn
         self._gen: Any = None
-        self._calls: list[tuple[Callable, Any, list[Any] | None]] = []
+        self._calls: list[tuple[nn.Module, Any, list[Any] | None]] = []
         self._prev_ids: dict[int, int] = {}
+        # Depth of replays in progress (on any thread): while > 0 the patched forwards run the
+        # originals, because the call came from torch's recompute through ``block.__call__``.
+        self._replaying = 0
+        self._replay_out: Any = None
+        self._pending: tuple[int, tuple, dict] | None = None
 
-    def forward_for(self, pos: int, original: Callable) -> Callable:
-        """The replacement ``forward`` of the segment's ``pos``-th block."""
+    def capture_for(self, pos: int) -> Callable[..., None]:
+        """A forward pre-hook (prepended) keeping the ``pos``-th block's call as made.
+
+        The replay calls the block as a module, so its pre-hooks run again there: it must be
+        fed the arguments from before them, not the ones its ``forward`` received, or a
+        pre-hook that edits them would act twice.
+        """
+
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._replaying:
+                self._pending = (pos, args, kwargs)
+
+        return hook
+
+    def forward_for(self, pos: int, block: nn.Module, original: Callable) -> Callable:
+        """The replacement ``forward`` of the segment's ``pos``-th block ``block``."""
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._call(pos, original, args, kwargs)
+            if self._replaying:  # torch's recompute, through block.__call__ and its hooks
+                self._replay_out = original(*args, **kwargs)
+                return self._replay_out
+            raw, self._pending = self._pending, None
+            if raw is None or raw[0] != pos:  # forward called directly, past the hooks
+                raw = (pos, args, kwargs)
+            return self._call(pos, block, original, args, kwargs, raw[1], raw[2])
 
         forward.__tightfit_original__ = original  # type: ignore[attr-defined]
         return forward
 
-    def _call(self, pos: int, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _call(self, pos: int, block: nn.Module, fn: Callable, args: tuple, kwargs: dict,
+              call_args: tuple, call_kwargs: dict) -> Any:
+        # args/kwargs: what the block's forward gets; call_*: what the block was called with
+        # (before its pre-hooks), which the replay passes to block.__call__.
         if pos == 0:
             self.finish()  # a frame left open by an interrupted forward
             if torch.is_grad_enabled():
-                self._open(args, kwargs)
+                self._open(call_args, call_kwargs)
         if self._gen is None:  # no grad (eval / inference): nothing to checkpoint
             return fn(*args, **kwargs)
         if pos == 0:
-            self._calls.append((fn, None, None))
+            self._calls.append((block, None, None))
         else:
-            leaves, spec = tree_flatten((args, kwargs))
+            leaves, spec = tree_flatten((call_args, call_kwargs))
             # Never hold the previous block's output here: that would keep the activations
             # checkpointing is meant to drop. The replay feeds the recomputed one instead.
             leaves = [_Link(self._prev_ids[id(x)]) if id(x) in self._prev_ids else x
                       for x in leaves]
-            self._calls.append((fn, spec, leaves))
+            self._calls.append((block, spec, leaves))
         try:
             out = fn(*args, **kwargs)
         except BaseException:
@@ -89,10 +122,13 @@ class SegmentRunner:
         return out
 
     def _open(self, args: tuple, kwargs: dict) -> None:
-        calls: list[tuple[Callable, Any, list[Any] | None]] = []
+        calls: list[tuple[nn.Module, Any, list[Any] | None]] = []
+        # early_stop=False: the replay runs every block to its end, so the hooks that follow
+        # a block's forward run in the recompute too (torch would otherwise stop inside the
+        # segment's last block, after its last saved tensor; what is left is a residual add).
         gen = _checkpoint_without_reentrant_generator(
-            functools.partial(_replay, calls), True, self.context_fn, "default", False, True,
-            *args, **kwargs,
+            functools.partial(self._replay, calls), True, self.context_fn, "default", False,
+            False, *args, **kwargs,
         )
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in tree_flatten(args)[0])
         # The frame saves the segment's inputs when it opens: offloading exactly that save
@@ -105,30 +141,40 @@ class SegmentRunner:
 
     def finish(self) -> None:
         """Close the open frame normally (its forward is complete)."""
-        gen, self._gen, self._prev_ids = self._gen, None, {}
+        gen, self._gen, self._prev_ids, self._pending = self._gen, None, {}, None
         if gen is not None:
             with contextlib.suppress(StopIteration):
                 next(gen)
 
     def abort(self) -> None:
         """Close the open frame after an exception in its forward."""
-        gen, self._gen, self._prev_ids = self._gen, None, {}
+        gen, self._gen, self._prev_ids, self._pending = self._gen, None, {}, None
         if gen is not None:
             gen.close()
 
+    def _replay(self, calls: list[tuple[nn.Module, Any, list[Any] | None]], *args: Any,
+                **kwargs: Any) -> Any:
+        """Recompute a segment: the recorded block calls, chained through their outputs.
 
-def _replay(calls: list[tuple[Callable, Any, list[Any] | None]], *args: Any, **kwargs: Any) -> Any:
-    """Recompute a segment: the recorded block calls, chained through their outputs."""
-    out: Any = None
-    for fn, spec, leaves in calls:
-        if spec is None:
-            out = fn(*args, **kwargs)
-            continue
-        prev, _ = tree_flatten(out)
-        a, kw = tree_unflatten([prev[x.index] if isinstance(x, _Link) else x for x in leaves],
-                               spec)
-        out = fn(*a, **kw)
-    return out
+        Each block is called as a module, so its hooks run; the patched forward sees
+        ``_replaying`` and runs the original block forward.
+        """
+        out: Any = None  # the previous block's forward output (before its forward hooks)
+        self._replaying += 1
+        try:
+            for block, spec, leaves in calls:
+                if spec is None:
+                    block(*args, **kwargs)
+                else:
+                    prev, _ = tree_flatten(out)
+                    a, kw = tree_unflatten(
+                        [prev[x.index] if isinstance(x, _Link) else x for x in leaves], spec
+                    )
+                    block(*a, **kw)
+                out, self._replay_out = self._replay_out, None
+        finally:
+            self._replaying -= 1
+        return out
 
 
 @dataclass
@@ -138,6 +184,7 @@ class _Applied:
     saved_forwards: list[Any]
     runners: list[SegmentRunner]
     hook: Any
+    capture_hooks: list[Any]
     config_use_cache: Any = _MISSING
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -151,13 +198,16 @@ def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
     """Patch ``blocks`` so the checkpointed segments of ``plan`` recompute in backward."""
     saved = [b.__dict__.get("forward", _MISSING) for b in blocks]
     runners: list[SegmentRunner] = []
+    captures: list[Any] = []
     for seg in plan.segments:
         if seg.kind == "stored":
             continue
         runner = SegmentRunner(seg, plan.offload)
         runners.append(runner)
         for pos, i in enumerate(range(seg.start, seg.stop)):
-            blocks[i].forward = runner.forward_for(pos, blocks[i].forward)
+            blocks[i].forward = runner.forward_for(pos, blocks[i], blocks[i].forward)
+            captures.append(blocks[i].register_forward_pre_hook(
+                runner.capture_for(pos), prepend=True, with_kwargs=True))
 
     def _close_frames(*_: Any) -> None:
         # The model's forward has returned (or raised): no frame may stay open, even when
@@ -166,7 +216,7 @@ def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
             r.finish()
 
     hook = model.register_forward_hook(_close_frames, always_call=True)
-    state = _Applied(plan, blocks, saved, runners, hook)
+    state = _Applied(plan, blocks, saved, runners, hook, captures)
     config = getattr(model, "config", None)
     if plan.checkpointed_blocks and config is not None and getattr(config, "use_cache", False):
         warnings.warn(
@@ -192,6 +242,8 @@ def uninstall(model: nn.Module) -> Plan | None:
         else:
             block.forward = fwd
     state.hook.remove()
+    for h in state.capture_hooks:
+        h.remove()
     if state.config_use_cache is not _MISSING:
         model.config.use_cache = state.config_use_cache
     object.__delattr__(model, STATE_ATTR)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
+from tightfit.optim import hyper
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.probes import Probe
@@ -41,19 +42,14 @@ class PagedAdamW(PagedOptimizer):
         weight_decay: decoupled weight decay (>= 0).
         amsgrad: keep the running maximum of ``exp_avg_sq``.
         maximize: maximize the objective instead of minimizing it.
-        page_bytes: the most bytes one page holds (default 8 MiB).
-        device_budget: bytes of state allowed on the params' device (``None``: no limit).
-        host_budget: bytes of state in host RAM when params are on an accelerator.
-        spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
         foreach: ``True`` (with ``fused=None``) uses torch's foreach kernels instead of fused.
         capturable: must be ``False`` (CUDA-graph capture cannot page); kept for torch's
             signature and state dicts.
         differentiable: must be ``False`` (paged state is not part of an autograd graph).
         fused: use torch's fused kernel (``None``: where the device supports it, unless
             ``foreach=True``).
-        target: keep the device's usage under this (fraction of capacity or bytes; required
-            on the CPU): pages drain when it is passed and return later (docs/pressure.md).
-        probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
+        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
+            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
 
     Example:
         >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)
@@ -118,30 +114,11 @@ class PagedAdamW(PagedOptimizer):
                 group["decoupled_weight_decay"] = True
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        for flag in ("capturable", "differentiable"):
-            if group.get(flag):
-                raise ValueError(
-                    f"{flag}=True is not supported by paged optimizers (pages move between "
-                    f"tiers outside any graph); pass {flag}=False or use torch.optim.AdamW"
-                )
-        if group.get("fused") and group.get("foreach"):
-            raise ValueError("fused=True and foreach=True exclude each other; pass one of them")
-        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
-        if not float(lr) >= 0.0:  # also rejects NaN
-            raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 1e-4)")
-        if not (isinstance(betas, tuple | list) and len(betas) == 2):
-            raise TypeError(f"betas={betas!r} must be a pair (beta1, beta2), e.g. (0.9, 0.999)")
-        for i, b in enumerate(betas):
-            if not 0.0 <= float(b) < 1.0:
-                raise ValueError(
-                    f"betas[{i}]={float(b)} is outside [0, 1); pass e.g. betas=(0.9, 0.999)"
-                )
-        if not float(eps) > 0.0:
-            raise ValueError(f"eps={eps} must be > 0 (it keeps the update finite); e.g. 1e-8")
-        if not float(wd) >= 0.0:
-            raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 0.01)")
+        hyper.check_graph_flags(group, "torch.optim.AdamW")
+        hyper.check_lr(group["lr"])
+        hyper.check_betas(group["betas"])
+        hyper.check_eps(group["eps"])
+        hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
 
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])

@@ -38,12 +38,8 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"``: bitsandbytes' kernel where it has one (CUDA, XPU, CPU), plain
             torch elsewhere; ``"bitsandbytes"``; ``"torch"``.
-        page_bytes: the most bytes one page holds (default 8 MiB).
-        device_budget: bytes of state allowed on the params' device (``None``: no limit).
-        host_budget: bytes of state in host RAM when params are on an accelerator.
-        spill_dir: parent folder of the spill files (default: a temp folder, removed on close).
-        target, probe: keep the device under a target occupancy, as for
-            :class:`~tightfit.optim.adamw.PagedAdamW` (docs/pressure.md).
+        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
+            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
 
     Example:
         >>> opt = PagedAdamW8bit(model.parameters(), lr=1e-4, device_budget=64 << 20)

@@ -60,7 +60,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     Args:
         params: iterable of params or of param-group dicts, as for any torch optimizer.
         defaults: default hyperparameters of the subclass.
-        page_bytes: the most bytes one page holds.
+        page_bytes: the most bytes one page holds (default 8 MiB).
         device_budget: bytes of state allowed on the params' device (``None``: no limit).
         host_budget: bytes of state in host RAM when the params are on an accelerator
             (``None``: no limit; ignored on the CPU, where the next tier is disk).

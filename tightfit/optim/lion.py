@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tightfit.optim import quant8
+from tightfit.optim import hyper, quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.paging.layout import StateSpec
@@ -44,18 +44,9 @@ def lion_update_(
 
 
 def _check_lion(group: dict[str, Any]) -> None:
-    lr, betas, wd = group["lr"], group["betas"], group["weight_decay"]
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
-    if not float(lr) >= 0.0:
-        raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 1e-4)")
-    if not (isinstance(betas, tuple | list) and len(betas) == 2):
-        raise TypeError(f"betas={betas!r} must be a pair (beta1, beta2), e.g. (0.9, 0.99)")
-    for i, b in enumerate(betas):
-        if not 0.0 <= float(b) < 1.0:
-            raise ValueError(f"betas[{i}]={float(b)} is outside [0, 1); pass e.g. (0.9, 0.99)")
-    if not float(wd) >= 0.0:
-        raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 0.01)")
+    hyper.check_lr(group["lr"])
+    hyper.check_betas(group["betas"], "(0.9, 0.99)", keyword=False)
+    hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
 
 
 def _lion_group(
@@ -85,8 +76,7 @@ class PagedLion(PagedOptimizer):
         betas: (β1 for the update direction, β2 for the momentum), each in [0, 1).
         weight_decay: decoupled weight decay (>= 0).
         page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for
-            :class:`~tightfit.optim.adamw.PagedAdamW`.
+            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
     """
 
     def __init__(

@@ -46,8 +46,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         backend: ``"auto"`` (bitsandbytes' kernel where it has one, else torch),
             ``"bitsandbytes"`` or ``"torch"``.
         page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for
-            :class:`~tightfit.optim.adamw.PagedAdamW`.
+            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
     """
 
     unit = quant8.BLOCKSIZE

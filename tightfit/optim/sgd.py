@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
+from tightfit.optim import hyper
 from tightfit.optim.adamw import _fused_supported
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
@@ -35,8 +36,7 @@ class PagedSGD(PagedOptimizer):
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing it.
         page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for
-            :class:`~tightfit.optim.adamw.PagedAdamW`.
+            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
 
     ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
     a ``torch.optim.SGD`` state dict loads too.
@@ -84,15 +84,10 @@ class PagedSGD(PagedOptimizer):
         )
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("lr as a Tensor must have one element; pass a float or a 0-dim tensor")
-        if not float(lr) >= 0.0:
-            raise ValueError(f"lr={float(lr)} is negative; pass a learning rate >= 0 (e.g. 0.01)")
-        if not float(momentum) >= 0.0:
-            raise ValueError(f"momentum={momentum} is negative; pass a value >= 0 (e.g. 0.9)")
-        if not float(wd) >= 0.0:
-            raise ValueError(f"weight_decay={wd} is negative; pass a value >= 0 (e.g. 1e-4)")
+        momentum = group["momentum"]
+        hyper.check_lr(group["lr"], "0.01")
+        hyper.check_nonnegative("momentum", momentum, "0.9")
+        hyper.check_nonnegative("weight_decay", group["weight_decay"], "1e-4")
         if group["nesterov"] and (float(momentum) <= 0 or float(group["dampening"]) != 0):
             raise ValueError(
                 "nesterov=True needs momentum > 0 and dampening = 0; set momentum (e.g. 0.9) "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from environment import cpu_model, load_text, versions_text
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
@@ -218,10 +218,6 @@ def main() -> int:
 
 
 def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: object) -> None:
-    import bitsandbytes
-    import peft
-    import transformers
-
     lines = [
         "# Checkpoint plans: measured vs predicted peak, step time",
         "",
@@ -246,12 +242,6 @@ def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: 
         rec_s = f"{1 + rec:.2f}" if rec is not None else "–"
         lines.append(f"| {name} | {peak / MIB:.1f} | {pred_s} | {mp} | {ratio:.2f} | {rec_s} | "
                      f"{note} |")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     lines += [
         "",
         f"Profile of the unchecked step: head + loss after the chain peak at "
@@ -259,12 +249,11 @@ def write(args: argparse.Namespace, rows: list, load: tuple, wall: float, prof: 
         f"for backward; the {args.layers} blocks save "
         f"{sum(b.saved_bytes for b in prof.blocks) / MIB:.1f} MiB.",
         "",
-        f"Machine: {cpu}, {os.cpu_count()} cores, torch threads {args.threads}; load average at "
-        f"start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} — a machine shared with other "
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch threads {args.threads}; load average at "
+        f"start {load_text(load)} — a machine shared with other "
         "engineers' jobs, so times are noisy; memory is not affected. "
         f"Wall time {wall:.0f} s.",
-        f"Versions: torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"transformers {transformers.__version__}, peft {peft.__version__}.",
+        f"Versions: {versions_text()}.",
         f"Command: `.venv/bin/python benchmarks/checkpoint.py {'--quick ' if args.quick else ''}"
         f"--layers {args.layers} --hidden {args.hidden} --seq {args.seq} --batch {args.batch} "
         f"--vocab {args.vocab} --reps {args.reps} --threads {args.threads}`",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from environment import cpu_model, load_text, versions_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,16 +35,6 @@ import tightfit  # noqa: E402
 from tightfit.memory.tracker import MemoryTracker  # noqa: E402
 
 MiB = 1 << 20
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _save_model(folder: Path, a: argparse.Namespace) -> None:
@@ -151,10 +141,6 @@ def main() -> int:
     if device.type == "cpu":
         torch.set_num_threads(a.threads)
     load0 = os.getloadavg()
-    import bitsandbytes
-    import peft
-    import transformers
-
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         _save_model(folder, a)
@@ -188,13 +174,12 @@ def main() -> int:
         "",
         f"Command: `.venv/bin/python benchmarks/e2e.py{' --quick' if a.quick else ''}`",
         "",
-        f"- machine: {_cpu_model()}, {os.cpu_count()} cores, device {device}, "
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores, device {device}, "
         f"torch threads {torch.get_num_threads() if device.type == 'cpu' else '-'}",
-        f"- load average at start {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}, at end "
+        f"- load average at start {load_text(load0)}, at end "
         f"{load1[0]:.2f} (the machine is shared with other engineers' work: times are noisy, "
         "ratios of interleaved steps less so)",
-        f"- versions: torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"transformers {transformers.__version__}, peft {peft.__version__}",
+        f"- versions: {versions_text()}",
         f"- model: Llama architecture, hidden {a.hidden}, {a.layers} layers, vocabulary "
         f"{a.vocab}, random weights; batch {a.batch} x {a.seq} tokens; LoRA r={a.r} on all "
         "linear layers; compute dtype "

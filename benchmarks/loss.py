@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from environment import cpu_model, load_text, versions_text
 from torch import nn
 
 from tightfit.loss import auto_chunk_tokens, chunked_cross_entropy, predict_head_loss_bytes
@@ -138,28 +139,6 @@ def bench_config(
     return rows
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _versions() -> str:
-    import bitsandbytes
-    import peft
-    import transformers
-
-    return (
-        f"torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"transformers {transformers.__version__}, peft {peft.__version__}, "
-        f"Python {platform.python_version()}"
-    )
-
-
 def write_report(rows: list[Row], args: argparse.Namespace, load0, load1, wall: float) -> str:
     anchor = {(r.vocab, r.seq, r.head): r for r in rows if r.variant == "hf"}
     lines = [
@@ -167,12 +146,12 @@ def write_report(rows: list[Row], args: argparse.Namespace, load0, load1, wall: 
         "",
         f"Command: `.venv/bin/python benchmarks/loss.py{' --quick' if args.quick else ''} "
         f"--hidden {args.hidden} --repeats {args.repeats}`  ",
-        f"Machine: {_cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}; "
-        f"load average at start {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, at end "
-        f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} (1/5/15 min). The machine is shared "
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}; "
+        f"load average at start {load_text(load0, sep='/')}, at end "
+        f"{load_text(load1, sep='/')} (1/5/15 min). The machine is shared "
         "with other engineers' builds and tests, so absolute times are noisy; variants were "
         "interleaved per repeat and only the ratios are meant to travel.  ",
-        f"Versions: {_versions()}  ",
+        f"Versions: {versions_text()}, Python {platform.python_version()}  ",
         f"Total benchmark wall time: {wall:.0f} s.",
         "",
         f"One step: `lm_head` (fp32, hidden {args.hidden}, batch 1) on the final hidden states, "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,43 +24,12 @@ import time
 from pathlib import Path
 
 import torch
+from environment import cpu_model, git_commit, versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
 
 MIB = 1 << 20
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_commit() -> str:
-    try:
-        import subprocess
-
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - not a git checkout
-        return "unknown"
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("bitsandbytes", "transformers", "peft"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001 - report whatever stops the import
-            out[name] = f"unavailable ({type(exc).__name__})"
-    return out
 
 
 class CopyProbe:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
+from environment import cpu_model, versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightfit.optim.adamw8bit import PagedAdamW8bit  # noqa: E402
@@ -33,27 +33,6 @@ from tightfit.optim.lion import PagedLion, PagedLion8bit  # noqa: E402
 from tightfit.optim.sgd import PagedSGD  # noqa: E402
 
 MIB = 1 << 20
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("bitsandbytes", "transformers", "peft"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001 - report whatever stops the import
-            out[name] = f"unavailable ({type(exc).__name__})"
-    return out
 
 
 def tensor_state_bytes(opt: torch.optim.Optimizer) -> int:

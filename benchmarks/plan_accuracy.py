@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 
-import bitsandbytes
-import peft
-import torch
-import transformers
+from environment import cpu_model, load_text, versions_text
 
 from tightfit.memory.activations import plan_peak, policy_segments
 from tightfit.memory.estimate import TrainSetup
@@ -42,16 +38,6 @@ CASES = [
 ]
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="first case only")
@@ -61,11 +47,10 @@ def main() -> None:
     lines = [
         "# tightfit plan: predicted vs measured bytes",
         "",
-        f"Machine: {_cpu()}, {os.cpu_count()} cores, load average at start "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared machine; memory figures do not "
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, load average at start "
+        f"{load_text(load, digits=1)} (shared machine; memory figures do not "
         "depend on load).",
-        f"Versions: torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"transformers {transformers.__version__}, peft {peft.__version__}.",
+        f"Versions: {versions_text()}.",
         "",
         "One real step per plan on the CPU (tensor bytes, MemoryTracker), batch 2 × 32 tokens, "
         "LoRA r=8; error = (predicted − measured) / measured. `budget` is the memory model's "

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from environment import cpu_model, load_text, versions_text
 from torch import nn
 
 MiB = 2**20
@@ -340,28 +341,6 @@ def _model_args(ns: argparse.Namespace) -> list[str]:
     return [a for k in keys for a in (f"--{k}", str(getattr(ns, k)))]
 
 
-def _versions() -> str:
-    import importlib.metadata as md
-
-    out = [f"torch {torch.__version__}"]
-    for pkg in ("bitsandbytes", "transformers", "peft"):
-        try:
-            out.append(f"{pkg} {md.version(pkg)}")
-        except md.PackageNotFoundError:
-            out.append(f"{pkg} (not installed)")
-    return ", ".join(out)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def parent_main(ns: argparse.Namespace) -> int:
     load = os.getloadavg()
     cap = detect_cap()
@@ -446,10 +425,10 @@ def report(ns, cap, load, state, p_short, p_long, offset, growth, cap_bytes, tar
         "",
         f"Command: `.venv/bin/python benchmarks/spike.py{' --quick' if ns.quick else ''}`",
         "",
-        f"- machine: {_cpu()}, {os.cpu_count()} cores; load average at start "
-        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min) — the machine is shared "
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores; load average at start "
+        f"{load_text(load)} (1/5/15 min) — the machine is shared "
         "with other engineers' work, so absolute times are noisy; compare ratios",
-        f"- versions: {_versions()}, Python {platform.python_version()}",
+        f"- versions: {versions_text()}, Python {platform.python_version()}",
         f"- cap: **{cap.kind}** — {cap.detail}" + ("" if enforced else
             ". **The cap was NOT enforced: the runs below were not limited; only RSS is reported.**"),
         f"- model: TinyLM, vocab {ns.vocab:,} (tied embedding), dim {ns.dim}, {ns.layers} layers, "

@@ -53,8 +53,8 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 
 
 # The whole stack (NF4 + double quant, LoRA, checkpointing, chunked loss, PagedAdamW under a
-# budget that pages). uniform:2 recomputes both blocks as one segment (the case that needs
-# FSDP2 to keep the gathered LoRA params to backward); a fixed plan instead of the budget
+# budget that pages) under FSDP2's default for --fsdp, ZeRO-2 (ZeRO-3 + checkpointing is
+# test_zero3_checkpoint.py). A fixed checkpoint plan instead of the budget
 # planner and no activation tracking keep it to ~1 s of CPU per run.
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
         "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",

@@ -5,8 +5,8 @@ Run under torchrun (the test launches it on 2 gloo ranks)::
     torchrun --nproc_per_node 2 tests/distributed/zero3_worker.py OUT POLICY [POLICY ...]
 
 For each checkpoint policy, every rank builds the selfcheck's tiny Llama, installs the plan,
-shards it with ``fully_shard(reshard_after_forward=True)`` (every parameter a dim-0 shard, the
-gathered block parameters freed after each block's forward), and trains it with
+shards it with ``TrainJob(..., reshard_after_forward=True).wrap`` (FSDP2 ZeRO-3: every
+parameter a dim-0 shard, each block's gathered parameters freed after its forward), trains it with
 ``torch.optim.AdamW`` on its rows of the selfcheck's global batches. Rank 0 writes
 ``<policy>.pt`` (the full parameters), ``reference.pt`` (one process, no checkpointing, whole
 batches) and ``report.json`` (per policy: hook counts, what was sharded, what was unsharded
@@ -24,14 +24,15 @@ import torch
 import tightfit.checkpoint as ck
 from tightfit.distributed import launch, selfcheck
 from tightfit.distributed.dtensor import is_dtensor
-from tightfit.distributed.parallelize import shard_model
+from tightfit.distributed.training import TrainJob
 
 
 def _run(opts: selfcheck.CheckOptions, policy: str, info: launch.DistInfo) -> dict:
     model = selfcheck.tiny_llama(opts.seed, info.device)
     plan = ck.enable(model, policy)
     blocks = list(model.model.layers)
-    shard_model(model, "fsdp", blocks=blocks, reshard_after_forward=True)
+    # as ``tightfit train --fsdp`` wraps it (fully_shard per decoder layer, then the root)
+    TrainJob(info, "fsdp", reshard_after_forward=True).wrap(model)
 
     def probe() -> torch.nn.Parameter:  # FSDP2 swaps the module attribute: read it each time
         return blocks[0].self_attn.q_proj.weight

@@ -39,8 +39,8 @@ class TrainJob:
     # FSDP2: free each block's gathered params after its forward (ZeRO-3) or keep them to
     # backward (ZeRO-2, the default). Both work with checkpoint plans (the recompute runs
     # FSDP2's hooks). With QLoRA only the small LoRA params are sharded, so ZeRO-3 saves a few
-    # MiB and costs a second all-gather per block in backward: measured 1.25x the step time
-    # of ZeRO-2 on 2 gloo ranks (8-layer LoRA Llama, `every` plan).
+    # MiB and costs a second all-gather per block in backward: measured ~1.3x the step time
+    # of ZeRO-2 on 2 gloo ranks (8-layer LoRA Llama, `every` plan; docs/distributed.md).
     reshard_after_forward: bool = False
 
     @property

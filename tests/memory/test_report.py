@@ -18,6 +18,8 @@ from tightfit.memory.pieces import constant_bytes
 from tightfit.memory.report import measure_report
 from tightfit.memory.tracker import MemoryTracker
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 def tiny(hidden: int = 64, inter: int = 128, layers: int = 2) -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=inter,
@@ -102,12 +104,3 @@ def test_double_quant_is_about_0127_bits_per_param() -> None:
                                              double_quant=False, checkpoint=None,
                                              loss_chunks=None))
     assert single.single_bytes == c.single_bytes and single.double_bytes == c.double_bytes
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second OpenMP thread buys nothing and stalls badly on a busy machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

@@ -28,14 +28,7 @@ def _budget(kind: str, state_bytes: int, page: int) -> int | None:
     return {"unlimited": None, "one_page": page, "30%": int(0.3 * state_bytes)}[kind]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # On a shared, loaded 2-core machine intra-op threads mostly wait for each other (a fused
-    # step on 30k elements took 23 ms with 2 threads, 1 ms with one); numerics do not change.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])

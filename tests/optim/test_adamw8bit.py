@@ -15,12 +15,7 @@ PAGE = 16 << 10
 SIZES = [20_000, 5000, 100, 9000]  # 100 < 4096: fp32 state, as in bitsandbytes
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/optim/test_adamw.py: a loaded 2-core machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _grads(params: list[torch.Tensor], *others: list[torch.Tensor]) -> None:

@@ -13,12 +13,7 @@ SIZES = [3, 5000, 20_001]
 PAGE = 16 << 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _params() -> list[torch.Tensor]:

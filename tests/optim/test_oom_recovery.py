@@ -12,13 +12,7 @@ PAGE = 16 << 10
 SIZES = [3000, 5000, 4097, 9000]  # 168 KiB of state: 11 pages of at most 16 KiB
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors on a shared 2-core machine: intra-op threads only wait for each other
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

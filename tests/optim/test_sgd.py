@@ -11,12 +11,7 @@ PAGE = 16 << 10
 SIZES = [1, 7, 4097, 30_011]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/optim/test_adamw.py: a loaded 2-core machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

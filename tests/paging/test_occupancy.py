@@ -21,6 +21,8 @@ from tightfit.paging.probes import FakeProbe
 D, LAYERS, SHORT, LONG, EVERY, STEPS = 128, 8, 8, 512, 3, 7
 PAGE = 64 << 10
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 
 class Chain(nn.Module):
     def __init__(self) -> None:
@@ -105,14 +107,6 @@ def _train(opt_kind: str, capacity: int, target: int = 0, margin: int = 0):  # n
         opt.zero_grad(set_to_none=True)
     extra = watch.stats.max_growth_bytes if opt_kind == "calibrate" else opt
     return model, dev.probe, extra
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_spikes_stay_under_the_target_and_training_matches_torch() -> None:

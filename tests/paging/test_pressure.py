@@ -13,13 +13,7 @@ from tightfit.paging.probes import FakeProbe, RSSProbe
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # small tensors on a shared 2-core machine: intra-op threads mostly wait for each other
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Blocks(nn.Module):

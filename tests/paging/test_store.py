@@ -12,12 +12,7 @@ from tightfit.optim.adamw import PagedAdamW
 PAGE = 16 << 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _opt(budget, sizes=(30_000, 5, 12_000), **kw):

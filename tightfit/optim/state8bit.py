@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tightfit.optim import quant8
+from tightfit.optim import quant8, state_io
 
 if TYPE_CHECKING:
     from tightfit.optim.paged8bit import Paged8bitOptimizer
@@ -22,24 +22,12 @@ _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
 
 def _check_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
-    if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
-        raise ValueError(
-            "not an optimizer state dict (needs 'state' and 'param_groups'); pass the result "
-            "of optimizer.state_dict() or torch_state_dict()"
-        )
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(
-            f"state dict has {len(saved_groups)} param groups but this optimizer has "
-            f"{len(opt.param_groups)}; build the optimizer with the same groups as the saved one"
-        )
+    saved_groups = state_io.check_saved_groups(
+        opt, state_dict, "optimizer.state_dict() or torch_state_dict()"
+    )
     merged_groups = []
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"param group {gi} has {len(group['params'])} params but the state dict has "
-                f"{len(saved['params'])}; load a state dict saved for the same model"
-            )
+        state_io.check_group_params(gi, group, saved)
         merged = {k: v for k, v in saved.items() if k in group and k != "params"}
         merged = {**group, **merged, "params": group["params"]}
         if isinstance(merged.get("betas"), list):

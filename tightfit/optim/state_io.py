@@ -65,12 +65,15 @@ def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
     return sd
 
 
-def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load a torch-format state dict into the pages; checks everything before changing any."""
+def check_saved_groups(
+    opt: PagedOptimizer, state_dict: Any, how: str = "optimizer.state_dict()"
+) -> list[dict[str, Any]]:
+    """The saved param groups of ``state_dict``, after checking it is a state dict with as
+    many groups as ``opt`` (``how`` names what writes one, for the message)."""
     if not isinstance(state_dict, dict) or {"state", "param_groups"} - set(state_dict):
         raise ValueError(
             "not an optimizer state dict (needs 'state' and 'param_groups'); pass the result "
-            "of optimizer.state_dict()"
+            f"of {how}"
         )
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
@@ -78,14 +81,25 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
             f"state dict has {len(saved_groups)} param groups but this optimizer has "
             f"{len(opt.param_groups)}; build the optimizer with the same groups as the saved one"
         )
+    return saved_groups
+
+
+def check_group_params(gi: int, group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Saved group ``gi`` holds as many params as the optimizer's."""
+    if len(saved["params"]) != len(group["params"]):
+        raise ValueError(
+            f"param group {gi} has {len(group['params'])} params but the state dict has "
+            f"{len(saved['params'])}; load a state dict saved for the same model"
+        )
+
+
+def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load a torch-format state dict into the pages; checks everything before changing any."""
+    saved_groups = check_saved_groups(opt, state_dict)
     id_to_param: dict[Any, torch.Tensor] = {}
     new_groups = []
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(
-                f"param group {gi} has {len(group['params'])} params but the state dict has "
-                f"{len(saved['params'])}; load a state dict saved for the same model"
-            )
+        check_group_params(gi, group, saved)
         id_to_param.update(zip(saved["params"], group["params"]))
         merged = {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
         for k, v in group.items():  # keys the saved dict lacks keep their current value

@@ -94,7 +94,6 @@ class PagedAdamW(PagedOptimizer):
             "fused": fused,
             "decoupled_weight_decay": self._decoupled,
         }
-        self._check_group(defaults)
         super().__init__(
             params,
             defaults,

@@ -4,7 +4,8 @@ The base class owns the page store and the step sweep; a subclass supplies only
 
 * ``_state_specs(group)`` — the state arrays (names, dtypes, blocks) a group needs;
 * ``unit`` — element alignment of params and page splits (256 for blockwise 8-bit state);
-* ``_check_group(group)`` — hyperparameter validation (raise before anything changes);
+* ``_check_group(group)`` — hyperparameter validation (raise before anything changes; the base
+  calls it on ``defaults`` first thing, and on each group added);
 * ``_update(group, params, grads, states, steps)`` — the math on lists of flat views, done by
   torch's fused/foreach kernels;
 * optionally ``_export_segment`` / ``_import_segment`` — conversion of one segment of state
@@ -87,6 +88,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         target: float | int | None = None,
         probe: Probe | None = None,
     ) -> None:
+        self._check_group(defaults)  # bad hyperparameters raise before any state exists
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes={page_bytes!r} must be a positive int (e.g. 4 << 20)")
         _check_bytes("device_budget", device_budget, page_bytes)

@@ -94,7 +94,6 @@ class PagedLion(PagedOptimizer):
         probe: Probe | None = None,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        self._check_group(defaults)
         super().__init__(
             params,
             defaults,

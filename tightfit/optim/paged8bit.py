@@ -71,7 +71,7 @@ class Paged8bitOptimizer(PagedOptimizer):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:
             raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
-        self._check_group(defaults)
+        self._check_group(defaults)  # before the backend is resolved (the base checks again)
         params = list(params)
         self._backend = quant8.resolve_backend(backend, self._common_device(params))
         self._min_8bit_size = min_8bit_size

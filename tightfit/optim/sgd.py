@@ -71,7 +71,6 @@ class PagedSGD(PagedOptimizer):
             "differentiable": False,
             "fused": None,
         }
-        self._check_group(defaults)
         super().__init__(
             params,
             defaults,

@@ -13,6 +13,7 @@ Order matters and is fixed here so that every caller gets the same stack:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,7 +226,11 @@ def prepare(
             bias="none",
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, cfg)
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
+            # FutureWarning is about peft's code, not the user's, so it is only noise here.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            model = get_peft_model(model, cfg)
         # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice).
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:

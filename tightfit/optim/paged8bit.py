@@ -207,6 +207,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         index = {id(p): i for i, p in enumerate(self._all_params())}
         out: dict[int, dict[str, torch.Tensor]] = {}
         n = self._n_states()
+        cpu_maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]  # pages are read to CPU
         for page in self._store.pages:
             group = self.param_groups[page.group]
             live = [s for s in page.segments if group["params"][s.param] in self.state]
@@ -226,9 +227,7 @@ class Paged8bitOptimizer(PagedOptimizer):
                         name = self.torch_names[i - 1]
                         dst = slot.setdefault(name, torch.empty(p.numel()))
                         dst[lo:hi] = (
-                            quant8.dequantize_torch(
-                                codes, views[f"absmax{i}"][k], self._maps[i - 1].cpu()
-                            )
+                            quant8.dequantize_torch(codes, views[f"absmax{i}"][k], cpu_maps[i - 1])
                             if eight
                             else codes
                         )

@@ -155,11 +155,8 @@ def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload:
         segments = solve_budget(prof, budget, offload=offload)
     else:
         segments = structural_segments(name, k, len(prof.blocks))
-    peak, recompute = predict(prof, segments, offload)
-    return Plan(policy, segments, predicted_peak_bytes=int(peak),
-                predicted_recompute_fraction=recompute / prof.step_s if prof.step_s else 0.0,
-                budget_bytes=budget if name == "budget" else None, offload=offload,
-                notes=notes, profile=prof)
+    return _plan_of(prof, segments, budget if name == "budget" else None, policy=policy,
+                    offload=offload, notes=notes)
 
 
 def frontier(prof: Profile, points: int = 24) -> list[Plan]:
@@ -184,8 +181,10 @@ def frontier(prof: Profile, points: int = 24) -> list[Plan]:
     return out
 
 
-def _plan_of(prof: Profile, segments: tuple[Segment, ...], budget: int) -> Plan:
-    peak, recompute = predict(prof, segments)
-    return Plan("budget", segments, predicted_peak_bytes=int(peak),
+def _plan_of(prof: Profile, segments: tuple[Segment, ...], budget: int | None, *,
+             policy: str = "budget", offload: bool = False, notes: tuple[str, ...] = ()) -> Plan:
+    """The plan of ``segments``, with the peak and recompute :func:`predict` gives."""
+    peak, recompute = predict(prof, segments, offload)
+    return Plan(policy, segments, predicted_peak_bytes=int(peak),
                 predicted_recompute_fraction=recompute / prof.step_s if prof.step_s else 0.0,
-                budget_bytes=budget, profile=prof)
+                budget_bytes=budget, offload=offload, notes=notes, profile=prof)

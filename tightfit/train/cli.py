@@ -15,6 +15,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
+from tightfit.memory.sizes import parse_bytes
 from tightfit.qlora.optimizer import OptimizerOptions
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.train.loop import RunConfig, TrainOptions
@@ -27,14 +28,6 @@ _GROUPS: list[tuple[str, type, str, dict[str, str]]] = [
     ("optimizer", OptimizerOptions, "", {"kind": "optimizer"}),
 ]
 _BYTE_FIELDS = {"checkpoint_budget", "page_bytes", "device_budget", "host_budget"}
-
-
-def _parse_bytes(text: str) -> int:
-    try:
-        from tightfit.memory.sizes import parse_bytes
-    except ImportError:  # pragma: no cover - sizes is another module of the package
-        return int(text)
-    return parse_bytes(text)
 
 
 def _alternatives(hint: Any) -> list[Any]:
@@ -60,7 +53,7 @@ def _converter(name: str, hint: Any) -> tuple[Any, list[str] | None]:
                 return lit
         if int in alts:
             try:
-                return _parse_bytes(text) if name in _BYTE_FIELDS else int(text)
+                return parse_bytes(text) if name in _BYTE_FIELDS else int(text)
             except ValueError:
                 pass
         if float in alts:

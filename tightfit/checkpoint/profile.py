@@ -16,7 +16,6 @@ profiled as the chain's last, stored segment: its bytes are often most of the pe
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -358,6 +357,4 @@ def _timing_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
             h.remove()
         for p in params:
             p.grad = None
-    with contextlib.suppress(Exception):
-        del loss
     return times, tail_s, step_s

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -186,7 +186,6 @@ class _Applied:
     hook: Any
     capture_hooks: list[Any]
     config_use_cache: Any = _MISSING
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def is_enabled(model: nn.Module) -> bool:

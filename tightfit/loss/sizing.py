@@ -49,7 +49,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
         raise TypeError(
             f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}."
         )
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def chunk_bytes_per_token(

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import check_param, local_tensor
-from tightfit.optim import state_io
+from tightfit.distributed.dtensor import local_tensor
+from tightfit.optim import checks, state_io
 from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
@@ -32,7 +32,6 @@ from tightfit.paging.pressure import PressureWatch
 from tightfit.paging.probes import Probe
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
-from tightfit.paging.tiers import check_spill_dir
 
 # 8 MiB: the fused kernel runs once per page view, and on the CPU each view costs a little
 # (parallel-section and memory effects). Fully resident 50M-param step on 2 idle cores vs one
@@ -41,20 +40,6 @@ from tightfit.paging.tiers import check_spill_dir
 # granularity and the 2-page streaming window, so 8 MiB is the compromise.
 DEFAULT_PAGE_BYTES = 8 << 20
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _check_bytes(name: str, value: Any, page_bytes: int, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name}={value} is negative; pass a byte count >= 0 or None")
-    if value < page_bytes:
-        raise ValueError(
-            f"{name}={value} is below one page (page_bytes={page_bytes}); pass at least "
-            f"{page_bytes} bytes, lower page_bytes, or pass None for no limit"
-        )
 
 
 class PagedOptimizer(torch.optim.Optimizer):
@@ -91,13 +76,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         probe: Probe | None = None,
     ) -> None:
         self._check_group(defaults)  # bad hyperparameters raise before any state exists
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
-            raise ValueError(f"page_bytes={page_bytes!r} must be a positive int (e.g. 4 << 20)")
-        _check_bytes("device_budget", device_budget, page_bytes)
-        _check_bytes("host_budget", host_budget, page_bytes)
-        check_spill_dir(spill_dir)
+        checks.check_paging_options(page_bytes, device_budget, host_budget, spill_dir)
         params = list(params)
-        device = self._common_device(params)
+        device = checks.common_device(params)
         self._page_bytes = page_bytes
         self._store = PageStore(device, page_bytes, device_budget, host_budget, spill_dir)
         # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
@@ -157,23 +138,6 @@ class PagedOptimizer(torch.optim.Optimizer):
             view.copy_(values[name])
 
     # ------------------------------------------------------------------ param groups
-    @staticmethod
-    def _common_device(params: list[Any]) -> torch.device:
-        devices = []
-        for item in params:
-            ps = item["params"] if isinstance(item, dict) else [item]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            devices += [p.device for p in ps if isinstance(p, torch.Tensor)]
-        if not devices:
-            raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
-        found = sorted({str(d) for d in devices})
-        if len(found) > 1:
-            raise ValueError(
-                f"params are on different devices ({', '.join(found)}); a paged optimizer pages "
-                "state for one device: move the params to one device or make one optimizer each"
-            )
-        return devices[0]
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (validated first) and lay out its state pages."""
         if not isinstance(param_group, dict):
@@ -184,22 +148,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise TypeError("params must be an ordered collection (list), not a set")
         group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         merged = {**self.defaults, **group}
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__}")
-            if p.device != self._store.device:
-                raise ValueError(
-                    f"param on {p.device} but this optimizer pages state for "
-                    f"{self._store.device}; move it or make another optimizer for it"
-                )
-            check_param(p)  # FSDP2/DTensor params: the pages hold this rank's local shard
-            if not p.is_floating_point():
-                raise TypeError(f"param of dtype {p.dtype} cannot be optimized; use float params")
-            if not local_tensor(p).is_contiguous():
-                raise ValueError(
-                    "a param is not contiguous; call .data = p.data.contiguous() before "
-                    "building the optimizer (pages map flat element ranges)"
-                )
+        checks.check_group_params(group["params"], self._store.device)
         self._check_group(merged)
         # Params may need different state arrays (an 8-bit layout keeps small params in 32
         # bit): one run of pages per distinct layout; a layout without arrays gets no pages.

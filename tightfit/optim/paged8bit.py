@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from tightfit.distributed.dtensor import is_dtensor
-from tightfit.optim import quant8
+from tightfit.optim import checks, quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.probes import Probe
@@ -73,7 +73,7 @@ class Paged8bitOptimizer(PagedOptimizer):
             raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
         self._check_group(defaults)  # before the backend is resolved (the base checks again)
         params = list(params)
-        self._backend = quant8.resolve_backend(backend, self._common_device(params))
+        self._backend = quant8.resolve_backend(backend, checks.common_device(params))
         self._min_8bit_size = min_8bit_size
         super().__init__(
             params,

@@ -126,8 +126,7 @@ def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
                     codes.copy_(entry[f"state{i}"].detach().reshape(-1)[lo:hi].cpu())
                     if eight:
                         am = views[f"absmax{i}"][k]
-                        src = entry[f"absmax{i}"].detach().reshape(-1).cpu()
-                        am.copy_(src[b0 : b0 + am.numel()])
+                        am.copy_(entry[f"absmax{i}"].detach().reshape(-1)[b0 : b0 + am.numel()])
                     continue
                 values = entry[opt.torch_names[i - 1]].detach().reshape(-1)[lo:hi]
                 values = values.to("cpu", torch.float32)

@@ -82,12 +82,9 @@ def predict(prof: Profile, segments: Sequence[Segment], offload: bool = False,
     savings = 0
     recompute = 0.0
     for seg in segments:
-        parts = ([(i, i + 1) for i in range(seg.start, seg.stop)] if seg.kind == "stored"
-                 else [(seg.start, seg.stop)])
-        for a, b in parts:
-            c = segment_cost(prof, a, b, seg.kind, offload)
-            peak = max(peak, c.peak_const - savings)
-            savings += c.savings
-            recompute += c.recompute_s
+        c = segment_cost(prof, seg.start, seg.stop, seg.kind, offload)
+        peak = max(peak, c.peak_const - savings)
+        savings += c.savings
+        recompute += c.recompute_s
     peak = max(peak, prof.tail_peak_bytes - savings)
     return peak, recompute

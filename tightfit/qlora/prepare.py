@@ -230,11 +230,9 @@ def prepare(
             # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
             # FutureWarning is about peft's code, not the user's, so it is only noise here.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice):
+            # peft upcasts bf16/fp16 adapters itself (autocast_adapter_dtype, on by default).
             model = get_peft_model(model, cfg)
-        # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice).
-        for p in model.parameters():
-            if p.requires_grad and p.dtype != torch.float32:
-                p.data = p.data.float()
 
     # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)

@@ -69,9 +69,7 @@ def enable(
     if offload and not any(p.is_cuda for p in model.parameters()):
         notes.append("offload=True is a no-op on the CPU: segment inputs already live in host "
                      "memory.")
-    was_enabled = apply.is_enabled(model)
-    if was_enabled:
-        previous = apply.uninstall(model)
+    previous = apply.uninstall(model)  # None when no plan was installed
     try:
         if example is None and profiled is None:
             segments = structural_segments(name, k, len(chain))
@@ -80,7 +78,7 @@ def enable(
             prof = profiled or profile(model, example, blocks=chain)
             plan = make_plan(prof, policy, budget=budget, offload=offload, notes=tuple(notes))
     except BaseException:
-        if was_enabled and previous is not None:
+        if previous is not None:
             apply.install(model, chain, previous)
         raise
     apply.install(model, chain, plan)

@@ -94,18 +94,10 @@ def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
         p = id_to_param[key]
         loaded[id(p)] = (_check_entry(opt, key, p, entry), entry)
     # Everything checked: now change things.
+    state_io.replace_groups_and_steps(
+        opt, new_groups, {k: e["step"] for k, (_, e) in loaded.items()}
+    )
     store = opt.pager
-    store.materialize()
-    for gi, merged in enumerate(new_groups):
-        opt.param_groups[gi].clear()
-        opt.param_groups[gi].update(merged)
-    opt.state.clear()
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) in loaded:
-                step = loaded[id(p)][1]["step"]
-                step = float(step.item() if isinstance(step, torch.Tensor) else step)
-                opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
     n = len(opt.torch_names)
     maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]
     for page in store.pages:

@@ -143,17 +143,7 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
                 )
         loaded[id(p)] = entry
     # Everything checked: now change things.
-    opt.pager.materialize()
-    for gi, merged in enumerate(new_groups):
-        opt.param_groups[gi].clear()
-        opt.param_groups[gi].update(merged)
-    opt.state.clear()
-    for p in _params(opt):
-        entry = loaded.get(id(p))
-        if entry is not None:
-            step = entry["step"]
-            step = float(step.item() if isinstance(step, torch.Tensor) else step)
-            opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+    replace_groups_and_steps(opt, new_groups, {k: e["step"] for k, e in loaded.items()})
     for page in opt.pager.pages:
         group = opt.param_groups[page.group]
         buf = torch.zeros(page.nbytes, dtype=torch.uint8)
@@ -170,6 +160,23 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
             opt._import_segment(group, values, {n: vs[k] for n, vs in views.items()})
         opt.pager.write_page(page, buf)
     opt._pending_step = None
+
+
+def replace_groups_and_steps(
+    opt: PagedOptimizer, groups: list[dict[str, Any]], steps: dict[int, Any]
+) -> None:
+    """Allocate the pages, then install checked ``groups`` and each param's step count
+    (``steps`` keyed by ``id(param)``; a param without one gets no state, as in torch)."""
+    opt.pager.materialize()
+    for gi, merged in enumerate(groups):
+        opt.param_groups[gi].clear()
+        opt.param_groups[gi].update(merged)
+    opt.state.clear()
+    for p in _params(opt):
+        step = steps.get(id(p))
+        if step is not None:
+            step = float(step.item() if isinstance(step, torch.Tensor) else step)
+            opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
 
 
 def _header(opt: PagedOptimizer) -> dict[str, Any]:

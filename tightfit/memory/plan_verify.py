@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tightfit.memory.activations import Segment, policy_segments
+from tightfit.memory.activations import Segment, head_loss_bytes, policy_segments
 from tightfit.memory.estimate import Overhead, TrainSetup, estimate
 from tightfit.memory.presets import ModelShape
 from tightfit.memory.tracker import MemoryTracker
@@ -305,14 +305,13 @@ def compare(shape: ModelShape, setup: TrainSetup, policies: tuple[str, ...] = ("
     ``"budget"`` uses ``setup.checkpoint_budget`` and the plan the memory model solves for
     it; the others are structural. Pieces that are zero on both sides are left out.
     """
-    plans: dict[str, tuple[Segment, ...]] = {}
-    for policy in policies:
-        est = estimate(shape, setup.with_(checkpoint=policy), Overhead(fixed_bytes=0, fraction=0.0))
-        plans[policy] = est.segments
-    measured = measure(shape, setup, plans)
+    no_overhead = Overhead(fixed_bytes=0, fraction=0.0)
+    ests = {p: estimate(shape, setup.with_(checkpoint=p), no_overhead) for p in policies}
+    measured = measure(shape, setup, {p: e.segments for p, e in ests.items()})
+    head = head_loss_bytes(shape, setup)
     out: dict[str, list[tuple[str, int, int]]] = {}
     for policy, m in measured.items():
-        est = estimate(shape, setup.with_(checkpoint=policy), Overhead(fixed_bytes=0, fraction=0.0))
+        est = ests[policy]
         rows = [
             ("weights", est.weights, m.weights),
             ("constants", est.constants, m.constants),
@@ -321,16 +320,10 @@ def compare(shape: ModelShape, setup: TrainSetup, policies: tuple[str, ...] = ("
             ("optimizer", est.optimizer + est.optimizer_offloaded, m.optimizer),
             ("optim_device", est.optimizer, m.optimizer_resident),
             ("activations", est.activation_peak, m.activation_peak),
-            ("logits_loss", _head_alone(shape, setup), m.logits_loss),
+            ("logits_loss", head, m.logits_loss),
         ]
         out[policy] = [r for r in rows if r[1] or r[2]]
     return out
-
-
-def _head_alone(shape: ModelShape, setup: TrainSetup) -> int:
-    from tightfit.memory.activations import head_loss_bytes
-
-    return head_loss_bytes(shape, setup)
 
 
 def relative_error(predicted: int, measured: int) -> float:

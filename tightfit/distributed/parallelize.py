@@ -2,8 +2,8 @@
 
 FSDP2 is applied torchtitan-style: ``fully_shard`` on every transformer block, then on the root,
 so each block's parameters are gathered just before it runs and freed after. Blocks are found
-through Hugging Face's ``_no_split_modules`` (the block class names every HF model declares),
-falling back to the children of the model's largest ``nn.ModuleList``.
+by the checkpoint planner's :func:`~tightfit.checkpoint.blocks.find_blocks` (the decoder layers
+of every HF causal LM, wrapped by peft or not).
 """
 
 from __future__ import annotations
@@ -13,26 +13,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from tightfit.checkpoint.blocks import find_blocks
+
+__all__ = ["Strategy", "find_blocks", "shard_model"]
+
 Strategy = Literal["fsdp", "ddp"]
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model`` (decoder layers), in order.
-
-    Raises:
-        ValueError: if no block class or ``nn.ModuleList`` can be found.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise ValueError(
-            f"{type(model).__name__} has no _no_split_modules and no nn.ModuleList of blocks; "
-            "pass blocks= explicitly to shard_model"
-        )
-    return list(max(lists, key=len))
 
 
 def shard_model(

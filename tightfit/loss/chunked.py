@@ -292,12 +292,10 @@ def _linear_chunk(
         torch.mm(g, w, out=grad_h[start : start + g.shape[0]])
     for i, p in enumerate(params):
         if p is w:
-            if acc[i] is None:
-                acc[i] = torch.mm(g.t(), h_c).float()
-            elif g.dtype == torch.float32:
-                acc[i].addmm_(g.t(), h_c)
+            if acc[i] is not None and g.dtype == torch.float32:
+                acc[i].addmm_(g.t(), h_c)  # straight into the accumulator, no temporary
             else:
-                acc[i].add_(torch.mm(g.t(), h_c))
+                _accumulate(acc, i, torch.mm(g.t(), h_c))
         elif p is b:
             _accumulate(acc, i, g.sum(0, dtype=torch.float32))
     return loss_c

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tightfit.memory.estimate import Estimate, Overhead, TrainSetup, estimate
+from tightfit.memory.plan_options import train_args
 from tightfit.memory.presets import ModelShape, load_shape
 from tightfit.memory.sizes import format_bytes, parse_bytes
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
@@ -117,13 +118,6 @@ def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup) -> int:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return _auto(shape.vocab, setup.seq_len, setup.batch, dtype[setup.compute_dtype])
-
-
-def train_args(setup: TrainSetup) -> tuple[str, ...]:
-    """The ``tightfit train`` options that select ``setup``."""
-    from tightfit.memory.plan_options import train_args as _args
-
-    return _args(setup)
 
 
 def _ladder(base: TrainSetup, shape: ModelShape) -> list[tuple[str, TrainSetup]]:

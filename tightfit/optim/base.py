@@ -366,26 +366,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
             ``restored_bytes``, ``over_target_reads`` (and ``watch_*`` while watching).
         """
-        s, c = self._store, self._store.counters
         return {
-            "device_bytes": s.device_bytes,
-            "host_bytes": s.host_bytes,
-            "disk_bytes": s.disk_bytes(),
-            "peak_device_bytes": s.peak_device_bytes,
-            "state_bytes": s.state_bytes,
-            "resident_bytes": s.resident_bytes(),
-            "window_bytes": sum(t.numel() for t in s.slots),
-            "bytes_paged_in": c.bytes_paged_in,
-            "bytes_paged_out": c.bytes_paged_out,
-            "page_faults": c.page_faults,
-            "stall_seconds": c.stall_seconds,
-            "pages": len(s.pages),
-            "page_bytes": s.page_bytes,
-            "device_budget": s.device_budget,
-            "host_budget": s.host_budget,
-            "spill_dir": s.spill.folder,
-            "evict_events": sum(e.kind == "evict" for e in s.events.events),
-            "restore_events": sum(e.kind == "restore" for e in s.events.events),
+            **self._store.stats(),
             "oom_recoveries": self._oom_recoveries,
             **(self._pressure.stats() if self._pressure is not None else {}),
         }

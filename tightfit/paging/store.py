@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -276,6 +277,31 @@ class PageStore:
     def resident_bytes(self) -> int:
         """Bytes of pages kept on the device between steps (the streaming window excluded)."""
         return sum(p.nbytes for p in self.pages if p.tier == "device")
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes per tier, traffic counters, limits and event counts (the store's part of
+        ``PagedOptimizer.memory_stats()``)."""
+        c, events = self.counters, self.events.events
+        return {
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes(),
+            "peak_device_bytes": self.peak_device_bytes,
+            "state_bytes": self.state_bytes,
+            "resident_bytes": self.resident_bytes(),
+            "window_bytes": sum(t.numel() for t in self.slots),
+            "bytes_paged_in": c.bytes_paged_in,
+            "bytes_paged_out": c.bytes_paged_out,
+            "page_faults": c.page_faults,
+            "stall_seconds": c.stall_seconds,
+            "pages": len(self.pages),
+            "page_bytes": self.page_bytes,
+            "device_budget": self.device_budget,
+            "host_budget": self.host_budget,
+            "spill_dir": self.spill.folder,
+            "evict_events": sum(e.kind == "evict" for e in events),
+            "restore_events": sum(e.kind == "restore" for e in events),
+        }
 
     def close(self) -> None:
         """Free every page and slot, stop the copy worker and delete the spill files."""

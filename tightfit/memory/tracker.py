@@ -165,8 +165,11 @@ class MemoryTracker:
 
     @property
     def phase_peaks(self) -> dict[str, int]:
-        """Peak bytes above baseline per phase (the current phase included)."""
-        out = {p.name: p.peak_bytes for p in self.phases}
+        """Peak bytes above baseline per phase name (the current phase included); a name
+        marked more than once gets the highest peak of its phases."""
+        out: dict[str, int] = {}
+        for p in self.phases:
+            out[p.name] = max(out.get(p.name, 0), p.peak_bytes)
         if self._active:
             out[self._phase_name] = max(out.get(self._phase_name, 0), self._read_peak())
         return out

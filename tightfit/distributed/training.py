@@ -184,13 +184,7 @@ class TrainJob:
                        tmp / "trainer_state.pt")  # fmt: skip
         self.barrier()
         if self.is_main:  # publish: rename, then LATEST, then drop older checkpoints
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            ck._atomic_text(out / ck.LATEST, f"checkpoints/{name}\n")
-            for old in ckdir.iterdir():
-                if old != final and (old.name.startswith("step-") or old.name.startswith(".tmp-")):
-                    shutil.rmtree(old, ignore_errors=True)
+            ck.publish_checkpoint(out, tmp, final)
         self.barrier()
         return final
 

@@ -103,17 +103,26 @@ def save_checkpoint(
     model.save_pretrained(tmp / "adapter")
     save_optimizer(optimizer, tmp / "optimizer.pt")
     torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / "trainer_state.pt")
+    publish_checkpoint(out, tmp, final, keep)
+    return final
+
+
+def publish_checkpoint(out: Path, tmp: Path, final: Path, keep: int = 1) -> None:
+    """Rename the complete checkpoint ``tmp`` to ``final`` and point ``LATEST`` at it.
+
+    Then drops all but the newest ``keep`` checkpoints and any temp folder a kill left behind.
+    """
     if final.exists():  # a re-run of the same step: the old copy is not LATEST's any more
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_text(out / LATEST, f"checkpoints/{name}\n")
+    _atomic_text(out / LATEST, f"checkpoints/{final.name}\n")
     # Only now is it safe to drop older checkpoints (and any temp folder a kill left behind).
+    ckdir = final.parent
     done = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and p != final)
     for old in done[: max(0, len(done) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckdir.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -8,6 +8,7 @@ pages left the device, how many bytes, and what forced it.
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -36,16 +37,22 @@ class PagingEvent:
 
 @dataclass
 class EventLog:
-    """Append-only list of :class:`PagingEvent`, bounded so a long run cannot grow it forever."""
+    """The latest ``limit`` :class:`PagingEvent` s (a long run cannot grow it forever), plus a
+    count of every event ever recorded, per kind, which the bound does not cut."""
 
     limit: int = 10_000
-    events: list[PagingEvent] = field(default_factory=list)
-    dropped: int = 0
+    events: deque[PagingEvent] = field(init=False)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.events = deque(maxlen=self.limit)  # drops the oldest in O(1)
+
+    @property
+    def dropped(self) -> int:
+        """Events no longer held (older than the latest ``limit``)."""
+        return self.counts.total() - len(self.events)
 
     def record(self, kind: str, reason: str, nbytes: int, pages: int, src: str, dst: str) -> None:
         """Append one event (dropping the oldest past ``limit``)."""
         self.events.append(PagingEvent(time.monotonic(), kind, reason, nbytes, pages, src, dst))
-        if len(self.events) > self.limit:
-            drop = len(self.events) - self.limit
-            del self.events[:drop]
-            self.dropped += drop
+        self.counts[kind] += 1

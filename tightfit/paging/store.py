@@ -281,7 +281,7 @@ class PageStore:
     def stats(self) -> dict[str, Any]:
         """Bytes per tier, traffic counters, limits and event counts (the store's part of
         ``PagedOptimizer.memory_stats()``)."""
-        c, events = self.counters, self.events.events
+        c = self.counters
         return {
             "device_bytes": self.device_bytes,
             "host_bytes": self.host_bytes,
@@ -299,8 +299,8 @@ class PageStore:
             "device_budget": self.device_budget,
             "host_budget": self.host_budget,
             "spill_dir": self.spill.folder,
-            "evict_events": sum(e.kind == "evict" for e in events),
-            "restore_events": sum(e.kind == "restore" for e in events),
+            "evict_events": self.events.counts["evict"],
+            "restore_events": self.events.counts["restore"],
         }
 
     def close(self) -> None:

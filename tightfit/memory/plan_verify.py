@@ -69,6 +69,12 @@ def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
 
 def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
     """Replace the decoder layers' linears by bitsandbytes 4-bit / 8-bit layers."""
+    if setup.quant == "nf4":
+        from tightfit.qlora.quantize import quantize_linears
+
+        quantize_linears(model, double_quant=setup.double_quant, compute_dtype=dtype,
+                         blocksize=setup.blocksize)
+        return
     import bitsandbytes as bnb
 
     for layer in model.model.layers:
@@ -77,21 +83,11 @@ def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
                 if type(child) is not nn.Linear:
                     continue
                 bias = child.bias is not None
-                if setup.quant == "nf4":
-                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias,
-                                          compute_dtype=dtype,
-                                          compress_statistics=setup.double_quant,
-                                          quant_type="nf4")
-                    q.weight = bnb.nn.Params4bit(
-                        child.weight.data.contiguous(), requires_grad=False,
-                        blocksize=setup.blocksize, compress_statistics=setup.double_quant,
-                        quant_type="nf4")._quantize(child.weight.device)
-                else:
-                    q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias,
-                                            has_fp16_weights=False)
-                    q.weight = bnb.nn.Int8Params(child.weight.data.contiguous(),
-                                                 requires_grad=False, has_fp16_weights=False)
-                    q = q.to(child.weight.device)
+                q = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias,
+                                        has_fp16_weights=False)
+                q.weight = bnb.nn.Int8Params(child.weight.data.contiguous(),
+                                             requires_grad=False, has_fp16_weights=False)
+                q = q.to(child.weight.device)
                 if bias:
                     q.bias = nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(parent, name, q)

@@ -276,17 +276,14 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
     if len(fwd) != n:
         raise ValueError(f"the forward called {len(fwd)} of the {n} blocks; pass blocks= in the "
                          "order the model calls them.")
-    phases: dict[str, tuple[int, int]] = {}
-    for ph in mt.phases:
-        peak = max(ph.peak_bytes, phases.get(ph.name, (0, 0))[0])
-        phases[ph.name] = (peak, ph.end_bytes)
+    peaks = mt.phase_peaks
     per_block: list[dict[str, Any]] = []
-    tail_peak = max(phases.get("tail", (0, 0))[0], phases.get("bwd_tail", (0, 0))[0])
+    tail_peak = max(peaks.get("tail", 0), peaks.get("bwd_tail", 0))
     last_start, last_peak = mt.phases[-1].end_bytes, tail_peak
     bwd_vals: dict[int, tuple[int, int]] = {}
     for i in reversed(range(n)):  # a block whose output needs no grad: inherit the later one
         if i in bwd:
-            last_start, last_peak = bwd[i], phases[f"bwd{i}"][0]
+            last_start, last_peak = bwd[i], peaks[f"bwd{i}"]
         bwd_vals[i] = (last_start, last_peak)
     for i in range(n):
         mine = {p: nb for p, (b, nb) in saved.items() if b == i}
@@ -301,13 +298,13 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
             "selective_unsaved_bytes": sum(nb for nb, alive in kept if not alive),
             "kept_share": recorder.kept_s.get(i, 0.0) / op_s if op_s > 0 else 0.0,
             "fwd_start_bytes": fwd[i],
-            "fwd_peak_bytes": phases[f"fwd{i}"][0],
+            "fwd_peak_bytes": peaks[f"fwd{i}"],
             "bwd_start_bytes": bwd_vals[i][0],
             "bwd_peak_bytes": bwd_vals[i][1],
         })
     return {
         "blocks": per_block,
-        "prefix_peak": phases.get("forward", (0, 0))[0],
+        "prefix_peak": peaks.get("forward", 0),
         "tail_peak": tail_peak,
         "tail_saved": sum(nb for b, nb in saved.values() if b == n),
         "peak": mt.peak_bytes,

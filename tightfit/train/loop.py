@@ -7,6 +7,7 @@ step and before anything in the output folder is written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -276,21 +277,15 @@ def train(
     prev = _opt_stats(optimizer)
     model.train()
     for step in range(start, t.steps):
-        batch = {k: v.to(device) for k, v in job.rows(tokens.batch(step, t.batch_size, t.seq_len,
-                                                                    t.seed)).items()}
+        batch = example_on(job.rows(tokens.batch(step, t.batch_size, t.seq_len, t.seed)), device)
         for g in optimizer.param_groups:
             g["lr"] = _lr_at(step, o.lr, t.warmup_steps)
         tic = time.perf_counter()
         tracked = t.track_every > 0 and step % t.track_every == 0
         tracker = MemoryTracker(device) if tracked else None
-        if tracker is not None:
-            tracker.__enter__()
-        try:
+        with tracker if tracker is not None else contextlib.nullcontext():
             loss = runner(**batch).loss
             loss.backward()
-        finally:
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
         if t.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
         optimizer.step()

@@ -161,13 +161,11 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     t, v, d = setup.tokens, shape.vocab, setup.d
     if setup.loss_chunk_tokens is None:
         return 12 * t * v + (t * v * d if setup.keep_logits else 0)
-    import torch
-
     from tightfit.loss.sizing import predict_head_loss_bytes
+    from tightfit.memory.estimate import torch_dtype
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return predict_head_loss_bytes(
-        v, setup.seq_len, setup.batch, dtype[setup.compute_dtype], hidden_size=shape.hidden,
+        v, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype), hidden_size=shape.hidden,
         chunk_tokens=setup.loss_chunk_tokens,
     )
 

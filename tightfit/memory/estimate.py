@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tightfit.memory.presets import ModelShape
+
+if TYPE_CHECKING:
+    import torch
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 QuantName = Literal["none", "int8", "nf4"]
 OptimizerName = Literal["adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"]
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ALL_LINEAR: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
@@ -136,6 +140,14 @@ class TrainSetup:
     def with_(self, **changes: object) -> TrainSetup:
         """A copy with some fields changed."""
         return replace(self, **changes)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a short dtype name (``"bf16"`` → ``torch.bfloat16``); torch is
+    imported on first use, so the memory model itself stays torch-free."""
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 # -- weights and constants -----------------------------------------------------------

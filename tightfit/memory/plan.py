@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tightfit.memory.estimate import Estimate, Overhead, TrainSetup, estimate
+from tightfit.memory.estimate import Estimate, Overhead, TrainSetup, estimate, torch_dtype
 from tightfit.memory.plan_options import train_args
 from tightfit.memory.presets import ModelShape, load_shape
 from tightfit.memory.sizes import format_bytes, parse_bytes
@@ -112,12 +112,9 @@ def slowdown(shape: ModelShape, est: Estimate, *, gpu_tflops: float = DEFAULT_GP
 
 def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup) -> int:
     """Tokens per loss chunk, by the rule ``tightfit.loss`` uses for ``--loss-chunks auto``."""
-    import torch
-
     from tightfit.loss.sizing import auto_chunk_tokens as _auto
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    return _auto(shape.vocab, setup.seq_len, setup.batch, dtype[setup.compute_dtype])
+    return _auto(shape.vocab, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype))
 
 
 def _ladder(base: TrainSetup, shape: ModelShape) -> list[tuple[str, TrainSetup]]:

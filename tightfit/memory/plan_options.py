@@ -6,9 +6,8 @@ The flag names are those ``tightfit train`` generates from its option dataclasse
 
 from __future__ import annotations
 
-from tightfit.memory.estimate import ALL_LINEAR, TrainSetup
+from tightfit.memory.estimate import ALL_LINEAR, DTYPE_NAMES, TrainSetup
 
-_DTYPE_FLAG = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _OPTIMIZER_FLAG = {
     "adamw": "adamw",
     "adamw8bit": "paged_adamw8bit",  # tightfit's 8-bit AdamW is the paged one
@@ -22,7 +21,7 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     args = [
         "--seq-len", str(setup.seq_len),
         "--batch-size", str(setup.batch),
-        "--compute-dtype", _DTYPE_FLAG[setup.compute_dtype],
+        "--compute-dtype", DTYPE_NAMES[setup.compute_dtype],
         "--quant", "nf4" if setup.quant == "nf4" else "none",
     ]
     if setup.quant == "nf4":

@@ -25,11 +25,9 @@ import torch
 from torch import nn
 
 from tightfit.memory.activations import Segment, head_loss_bytes, policy_segments
-from tightfit.memory.estimate import Overhead, TrainSetup, estimate
+from tightfit.memory.estimate import DTYPE_NAMES, Overhead, TrainSetup, estimate, torch_dtype
 from tightfit.memory.presets import ModelShape
 from tightfit.memory.tracker import MemoryTracker
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
     with bitsandbytes / peft directly.
     """
     torch.manual_seed(seed)
-    dtype = _TORCH_DTYPES[setup.compute_dtype]
+    dtype = torch_dtype(setup.compute_dtype)
     model = _llama(shape, dtype)
     if setup.quant != "int8" and setup.adapter_dtype == "fp32":
         from tightfit.qlora.prepare import prepare
@@ -110,8 +108,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
         return prepare(
             model, quant="nf4" if setup.quant == "nf4" else None,
             double_quant=setup.double_quant, blocksize=setup.blocksize,
-            compute_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
-                setup.compute_dtype],
+            compute_dtype=DTYPE_NAMES[setup.compute_dtype],
             lora={"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
                   "target_modules": tuple(setup.lora_targets)},
             checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
@@ -125,7 +122,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
     model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
     for n, p in model.named_parameters():
         if "lora_" in n:
-            p.data = p.data.to(_TORCH_DTYPES[setup.adapter_dtype])
+            p.data = p.data.to(torch_dtype(setup.adapter_dtype))
     if setup.loss_chunk_tokens is not None:
         from tightfit.loss import enable_chunked_loss
 
@@ -203,7 +200,7 @@ def measure_head_loss(shape: ModelShape, setup: TrainSetup, model: nn.Module) ->
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dtype = _TORCH_DTYPES[setup.compute_dtype]
+    dtype = torch_dtype(setup.compute_dtype)
     hidden = torch.randn(setup.batch, setup.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
     with MemoryTracker("cpu") as mt:

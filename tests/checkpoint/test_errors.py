@@ -110,3 +110,20 @@ def test_refuses_on_top_of_hf_checkpointing() -> None:
     model.gradient_checkpointing_disable()
     ck.enable(model, "every")
     ck.disable(model)
+
+
+def test_failed_replan_with_other_blocks_keeps_the_plan_on_its_own_blocks() -> None:
+    from tightfit.checkpoint import apply
+
+    model = tiny_llama(layers=4)
+    layers = list(model.model.layers)
+    ck.enable(model, "every")  # on the whole chain
+    x = torch.randint(0, 128, (2, 16))
+    with pytest.raises(ValueError):
+        ck.enable(model, "budget", budget=1, example={"input_ids": x, "labels": x},
+                  blocks=layers[:2])
+    plan, blocks = apply.installed(model)
+    assert blocks == layers and plan.policy == "every"
+    ck.profile(model, {"input_ids": x, "labels": x}, blocks=layers[:2])
+    assert apply.installed(model)[1] == layers
+    ck.disable(model)

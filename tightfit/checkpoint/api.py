@@ -69,7 +69,8 @@ def enable(
     if offload and not any(p.is_cuda for p in model.parameters()):
         notes.append("offload=True is a no-op on the CPU: segment inputs already live in host "
                      "memory.")
-    previous = apply.uninstall(model)  # None when no plan was installed
+    previous = apply.installed(model)  # (plan, its blocks), or None
+    apply.uninstall(model)
     try:
         if example is None and profiled is None:
             segments = structural_segments(name, k, len(chain))
@@ -79,7 +80,7 @@ def enable(
             plan = make_plan(prof, policy, budget=budget, offload=offload, notes=tuple(notes))
     except BaseException:
         if previous is not None:
-            apply.install(model, chain, previous)
+            apply.install(model, previous[1], previous[0])  # on the blocks it was on
         raise
     apply.install(model, chain, plan)
     return plan

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +226,24 @@ def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
         state.config_use_cache = config.use_cache
         config.use_cache = False
     object.__setattr__(model, STATE_ATTR, state)
+
+
+def installed(model: nn.Module) -> tuple[Plan, list[nn.Module]] | None:
+    """The installed plan and the blocks it is installed on (``None`` if none)."""
+    state = getattr(model, STATE_ATTR, None)
+    return (state.plan, state.blocks) if isinstance(state, _Applied) else None
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module) -> Iterator[Plan | None]:
+    """Take the installed plan off for the block and put it back on the same blocks."""
+    previous = installed(model)
+    uninstall(model)
+    try:
+        yield None if previous is None else previous[0]
+    finally:
+        if previous is not None:
+            install(model, previous[1], previous[0])
 
 
 def uninstall(model: nn.Module) -> Plan | None:

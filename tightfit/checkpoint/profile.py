@@ -180,11 +180,10 @@ def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
     chain = resolve_blocks(model, blocks)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
-    installed = apply.uninstall(model)
     grads = [p.grad for p in params]
     rng_devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=rng_devices):
+        with apply.suspended(model), torch.random.fork_rng(devices=rng_devices):
             rng = torch.get_rng_state()
             mem = _memory_pass(model, example, chain, device, params)
             torch.set_rng_state(rng)
@@ -202,8 +201,6 @@ def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-        if installed is not None:
-            apply.install(model, chain, installed)
     costs = []
     for i, fields in enumerate(mem["blocks"]):
         share = fields.pop("kept_share")

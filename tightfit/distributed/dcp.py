@@ -48,13 +48,7 @@ def save(
             4-bit base, which the run rebuilds from the base model).
     """
     dcp, sd = _dcp()
-    if optimizer is None:
-        state: dict[str, Any] = {_MODEL: sd.get_model_state_dict(model)}
-    else:
-        msd, osd = sd.get_state_dict(model, optimizer)
-        state = {_MODEL: msd, _OPTIM: osd}
-    if trainable_only:
-        state[_MODEL] = _only(state[_MODEL], trainable_fqns(model))
+    state = _state(sd, model, optimizer, trainable_only)
     state[_EXTRA] = dict(extra or {})
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir), no_dist=not _dist_ready())
@@ -91,13 +85,7 @@ def load(
     extra = _read_extra(dcp, path, no_dist)
     # strict=False: a trainable-only checkpoint leaves the frozen params as they are
     options = sd.StateDictOptions(strict=not trainable_only)
-    if optimizer is None:
-        state: dict[str, Any] = {_MODEL: sd.get_model_state_dict(model)}
-    else:
-        msd, osd = sd.get_state_dict(model, optimizer)
-        state = {_MODEL: msd, _OPTIM: osd}
-    if trainable_only:
-        state[_MODEL] = _only(state[_MODEL], trainable_fqns(model))
+    state = _state(sd, model, optimizer, trainable_only)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=no_dist)
     if optimizer is None:
@@ -108,6 +96,20 @@ def load(
             options=options,
         )  # fmt: skip
     return extra
+
+
+def _state(
+    sd: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
+) -> dict[str, Any]:
+    """The model (and optimizer) state dicts DCP saves from and loads into."""
+    if optimizer is None:
+        state: dict[str, Any] = {_MODEL: sd.get_model_state_dict(model)}
+    else:
+        msd, osd = sd.get_state_dict(model, optimizer)
+        state = {_MODEL: msd, _OPTIM: osd}
+    if trainable_only:
+        state[_MODEL] = _only(state[_MODEL], trainable_fqns(model))
+    return state
 
 
 def trainable_fqns(model: nn.Module) -> set[str]:

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
 import torch
 from torch import nn
@@ -113,14 +114,8 @@ def frozen_other_bytes(model: nn.Module) -> int:
     return sum(
         p.nbytes
         for p in model.parameters()
-        if not p.requires_grad and not isinstance(p, _params4bit_type())
+        if not p.requires_grad and not isinstance(p, bnb.nn.Params4bit)
     )
-
-
-def _params4bit_type() -> type:
-    import bitsandbytes as bnb
-
-    return bnb.nn.Params4bit
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from tightfit.qlora.optimizer import OptimizerOptions
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.train.loop import RunConfig, TrainOptions
 
-# (dataclass, flag prefix, field renamed on the command line)
+# (help group title, dataclass, flag prefix, fields renamed on the command line)
 _GROUPS: list[tuple[str, type, str, dict[str, str]]] = [
     ("run", TrainOptions, "", {}),
     ("quantization, checkpointing, loss", PrepareOptions, "", {}),
@@ -99,8 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Build the :class:`RunConfig` (validated by the dataclasses) from parsed arguments."""
     built: dict[str, Any] = {}
-    keys = {TrainOptions: "train", PrepareOptions: "prepare", LoraOptions: "lora",
-            OptimizerOptions: "optimizer"}
+    keys = {cls: name for name, cls in typing.get_type_hints(RunConfig).items()}
     for _, cls, prefix, renames in _GROUPS:
         kw = {f.name: getattr(args, prefix + renames.get(f.name, f.name)) for f in fields(cls)}
         built[keys[cls]] = cls(**kw)

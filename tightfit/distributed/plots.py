@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MiB = float(1 << 20)
+from tightfit.train.plots import MiB, _plt
 
 
 def plot_ranks(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
@@ -19,11 +19,7 @@ def plot_ranks(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) 
             under torchrun.
         path: where to write the PNG.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     steps = [h["step"] for h in history]
     world = len(history[0]["ranks"]) if history else 0
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)

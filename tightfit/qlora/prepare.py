@@ -273,7 +273,7 @@ def _apply_checkpoint(
         if example is None:
             notes.append("checkpoint='budget' needs an example batch; used 'sqrt' instead.")
             return ckpt.enable(model, "sqrt")
-        budget = options.checkpoint_budget
+        budget, profiled = options.checkpoint_budget, None
         if budget is None:
             # No budget given: halfway between the smallest peak any plan reaches and no
             # checkpointing, so the plan saves memory at a fraction of every-layer recompute.
@@ -281,14 +281,15 @@ def _apply_checkpoint(
 
             none_plan = ckpt.enable(model, "none", example=example)
             ckpt.disable(model)
-            lowest = int(min_peak(none_plan.profile))
+            profiled = none_plan.profile  # profile once: the budget plan reuses it
+            lowest = int(min_peak(profiled))
             budget = lowest + (int(none_plan.predicted_peak_bytes) - lowest) // 2
             notes.append(
                 f"checkpoint budget: halfway between the smallest plan's peak "
                 f"({lowest / 2**20:.1f} MiB) and no checkpointing "
                 f"({none_plan.predicted_peak_bytes / 2**20:.1f} MiB) = {budget / 2**20:.1f} MiB"
             )
-        return ckpt.enable(model, "budget", budget=budget, example=example)
+        return ckpt.enable(model, "budget", budget=budget, example=example, profiled=profiled)
     return ckpt.enable(model, policy, example=example)
 
 

@@ -122,20 +122,17 @@ def frozen_other_bytes(model: nn.Module) -> int:
 def memory_pieces_off(model: nn.Module) -> Iterator[None]:
     """Temporarily take the checkpoint plan and the chunked loss off ``model``."""
     from tightfit.checkpoint import apply as ckpt_apply
-    from tightfit.checkpoint.blocks import resolve_blocks
     from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
 
-    plan = ckpt_apply.uninstall(model) if ckpt_apply.is_enabled(model) else None
     chunked = is_chunked_loss_enabled(model)
     info = getattr(model, "tightfit_info", None)
     chunk = getattr(getattr(info, "options", None), "loss_chunks", None) or "auto"
     if chunked:
         disable_chunked_loss(model)
     try:
-        yield
+        with ckpt_apply.suspended(model):  # back on the blocks it was installed on
+            yield
     finally:
-        if plan is not None:
-            ckpt_apply.install(model, resolve_blocks(model, None), plan)
         if chunked:
             enable_chunked_loss(model, chunk_tokens=chunk)
 

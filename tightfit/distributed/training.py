@@ -75,7 +75,9 @@ class TrainJob:
                 f"--batch-size {batch_size} is the global batch and must divide by the {world} "
                 f"processes; pass a multiple of {world}"
             )
-        info = launch.init_from_env(device="auto" if device is None else device)  # type: ignore[arg-type]
+        # Under torchrun each rank takes cuda:LOCAL_RANK: only the device type is the user's.
+        kind = "auto" if device is None else torch.device(device).type
+        info = launch.init_from_env(device=kind)  # type: ignore[arg-type]
         return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward)
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -34,9 +34,8 @@ from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 
 # 8 MiB: the fused kernel runs once per page view, and on the CPU each view costs a little
-# (parallel-section and memory effects). Fully resident 50M-param step on 2 idle cores vs one
-# fused call, 3 runs each of `benchmarks/optimizer.py --threads 2 --rounds 21 --page-mib N`:
-# 4 MiB 1.27-1.29x, 8 MiB 1.08-1.20x, 16 MiB 1.04-1.13x. Larger pages coarsen the budget
+# (parallel-section and memory effects): see benchmarks/results/optimizer_pagesize.md for the
+# fully resident step vs one fused call at 4/8/16 MiB. Larger pages coarsen the budget
 # granularity and the 2-page streaming window, so 8 MiB is the compromise.
 DEFAULT_PAGE_BYTES = 8 << 20
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

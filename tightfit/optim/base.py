@@ -25,6 +25,7 @@ import torch
 
 from tightfit.distributed.dtensor import local_tensor
 from tightfit.optim import checks, state_io
+from tightfit.paging.coalesce import coalesce
 from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
@@ -61,6 +62,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     """
 
     unit: ClassVar[int] = 1
+    # Longest run of elements handed to ``_update`` as one view (None: no limit). Views of
+    # adjacent resident pages are joined (one kernel call per param on a slab, see
+    # tightfit.paging.coalesce); a subclass making per-view temporaries caps their size here.
+    _view_limit: int | None = None
+    # Device-tier pages in slabs (None: where supported, i.e. on the CPU under Linux);
+    # tests set it False to run the one-buffer-per-page path that CUDA uses.
+    _slabs: ClassVar[bool | None] = None
 
     def __init__(
         self,
@@ -79,7 +87,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         params = list(params)
         device = checks.common_device(params)
         self._page_bytes = page_bytes
-        self._store = PageStore(device, page_bytes, device_budget, host_budget, spill_dir)
+        self._store = PageStore(
+            device, page_bytes, device_budget, host_budget, spill_dir, slabs=self._slabs
+        )
         # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
         self._pressure: OccupancyControl | None = None
         if target is not None or probe is not None:
@@ -253,28 +263,25 @@ class PagedOptimizer(torch.optim.Optimizer):
         sweep(self._store, pages, self._pending_step, self._update_pages)  # type: ignore[arg-type]
         self._pending_step = None
 
-    def _update_pages(self, items: list[tuple[Page, torch.Tensor]]) -> None:
-        buckets: dict[tuple[int, torch.dtype, tuple], list[tuple[Page, torch.Tensor]]] = {}
-        for page, buf in items:  # one bucket per group, param dtype and layout
-            buckets.setdefault((page.group, page.dtype, tuple(page.arrays)), []).append((page, buf))
+    def _update_pages(self, items: list[tuple[Page, dict[str, torch.Tensor]]]) -> None:
+        buckets: dict[tuple[int, torch.dtype, tuple], list[tuple[Page, dict]]] = {}
+        for page, arrays in items:  # one bucket per group, param dtype and layout
+            buckets.setdefault((page.group, page.dtype, tuple(page.arrays)), []).append(
+                (page, arrays)
+            )
         for (gi, dtype, _layout), bucket in buckets.items():
             group = self.param_groups[gi]
-            params, grads, steps = [], [], []
-            states: dict[str, list[torch.Tensor]] = {}
-            for page, buf in bucket:
-                views = page.segment_views(buf)
-                for k, seg in enumerate(page.segments):
-                    p = group["params"][seg.param]
-                    if p.grad is None:
-                        continue
-                    end = seg.start + seg.length
-                    params.append(local_tensor(p).view(-1)[seg.start : end])
-                    grads.append(local_tensor(p.grad).reshape(-1)[seg.start : end])
-                    steps.append(self.state[p]["step"])
-                    for name, vs in views.items():
-                        states.setdefault(name, []).append(vs[k])
-            if not params:
+            runs = coalesce(group["params"], bucket, self._view_limit)
+            if not runs:
                 continue
+            params, grads, steps = [], [], []
+            states: dict[str, list[torch.Tensor]] = {name: [] for name in runs[0][3]}
+            for p, start, end, views in runs:
+                params.append(local_tensor(p).view(-1)[start:end])
+                grads.append(local_tensor(p.grad).reshape(-1)[start:end])
+                steps.append(self.state[p]["step"])
+                for name, view in views.items():
+                    states[name].append(view)
             if dtype in _LOW_PRECISION:
                 # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
                 p32 = [p.float() for p in params]

@@ -75,6 +75,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         params = list(params)
         self._backend = quant8.resolve_backend(backend, checks.common_device(params))
         self._min_8bit_size = min_8bit_size
+        if self._backend == "torch":  # its fp32 temporaries stay about one page in size
+            self._view_limit = max(page_bytes // 2, quant8.BLOCKSIZE)
         super().__init__(
             params,
             defaults,

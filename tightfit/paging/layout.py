@@ -68,7 +68,8 @@ class Page:
     dtype: torch.dtype  # dtype of the params whose state this page holds
     elements: int  # element span, padding included
     nbytes: int
-    arrays: dict[str, tuple[int, int, torch.dtype, int]]  # name -> (byte offset, numel, dtype, block)
+    # name -> (byte offset, numel, dtype, block)
+    arrays: dict[str, tuple[int, int, torch.dtype, int]]
     segments: list[Segment] = field(default_factory=list)
     # residency, managed by the store
     tier: str = "device"
@@ -76,6 +77,8 @@ class Page:
     spill_offset: int = -1
     updated_step: int = -1  # step id of the last sweep that updated this page
     spill_valid: bool = False  # the spill file holds this page's current bytes (no write-back)
+    # the store's views of a device/host-tier page's arrays, and the segment views on them
+    _arrays: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _views: tuple | None = field(default=None, repr=False, compare=False)
 
     def array_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -86,23 +89,31 @@ class Page:
             out[name] = buf[off : off + size].view(dtype)
         return out
 
-    def segment_views(self, buf: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def segment_views(
+        self, data: torch.Tensor | dict[str, torch.Tensor]
+    ) -> dict[str, list[torch.Tensor]]:
         """Per state array, one view per segment (in segment order).
 
-        The views of the page's own buffer are cached (a resident page's views are made once,
-        not every step); views of other buffers (window slots, CPU copies) are made afresh.
-        """
-        if buf is self.buf:
-            cached = self._views
-            if cached is not None and cached[0] is buf:
-                return cached[1]
-            views = self._make_segment_views(buf)
-            self._views = (buf, views)
-            return views
-        return self._make_segment_views(buf)
+        Args:
+            data: the page's bytes in the one-buffer format, or its typed arrays (as
+                :meth:`~tightfit.paging.store.PageStore.arrays` gives them).
 
-    def _make_segment_views(self, buf: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        arrays = self.array_views(buf)
+        The views of the store's own arrays of a resident page are cached (made once, not every
+        step); views of anything else (window slots, CPU copies) are made afresh.
+        """
+        if data is self._arrays:
+            cached = self._views
+            if cached is not None and cached[0] is data:
+                return cached[1]
+            views = self._make_segment_views(data)
+            self._views = (data, views)
+            return views
+        return self._make_segment_views(data)
+
+    def _make_segment_views(
+        self, data: torch.Tensor | dict[str, torch.Tensor]
+    ) -> dict[str, list[torch.Tensor]]:
+        arrays = self.array_views(data) if isinstance(data, torch.Tensor) else data
         out: dict[str, list[torch.Tensor]] = {}
         for name, flat in arrays.items():
             block = self.arrays[name][3]

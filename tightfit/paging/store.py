@@ -17,6 +17,7 @@ import torch
 
 from tightfit.paging.events import EventLog
 from tightfit.paging.layout import Page
+from tightfit.paging.slab import Slab, page_runs, slabs_supported
 from tightfit.paging.tiers import CopyEngine, CudaCopyEngine, SpillArea
 
 WINDOW_SLOTS = 2  # current page + one being prefetched
@@ -42,6 +43,9 @@ class PageStore:
         host_budget: bytes of state allowed in host RAM when ``device`` is an accelerator
             (``None``: no limit). Ignored on the CPU, where device and host are one tier.
         spill_dir: parent folder of the spill files (``None``: the system temp folder).
+        slabs: keep device-tier pages in slabs (one array per state name per run of pages,
+            see :mod:`tightfit.paging.slab`) instead of one buffer per page. ``None``: on the
+            CPU where the platform can release part of a mapping (Linux), else not.
     """
 
     def __init__(
@@ -51,7 +55,13 @@ class PageStore:
         device_budget: int | None,
         host_budget: int | None,
         spill_dir: str | os.PathLike | None,
+        slabs: bool | None = None,
     ) -> None:
+        if slabs and (device.type != "cpu" or not slabs_supported()):
+            raise ValueError(
+                f"slabs=True needs params on the CPU of a platform with madvise (Linux); the "
+                f"params are on {device}: pass slabs=None"
+            )
         self.device = device
         self.on_cpu = device.type == "cpu"
         self.page_bytes = page_bytes
@@ -69,6 +79,8 @@ class PageStore:
         self.host_bytes = 0
         self.peak_device_bytes = 0
         self._spill_sizes: dict[int, int] = {}
+        self.use_slabs = device.type == "cpu" and slabs_supported() if slabs is None else slabs
+        self._slabs: dict[int, Slab] = {}  # page index -> the slab holding it on the device
         self._closed = False
 
     # ------------------------------------------------------------------ layout
@@ -80,6 +92,10 @@ class PageStore:
             self._spill_sizes[page.group] = size + page.nbytes
             page.tier = "new"
             self.pages.append(page)
+        if self.use_slabs:
+            for run in page_runs(pages):
+                slab = Slab(run)
+                self._slabs.update((page.index, slab) for page in run)
         for group, size in self._spill_sizes.items():
             self.spill.reserve(group, size)
         if self.materialized:
@@ -192,11 +208,14 @@ class PageStore:
         return self.device_bytes - before
 
     # ------------------------------------------------------------------ bytes
+    def _count_device(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
     def _alloc(self, tier: str, nbytes: int) -> torch.Tensor:
         if tier == "device":
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.device_bytes += nbytes
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+            self._count_device(nbytes)
             return buf
         self.host_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.on_cpu)
@@ -223,12 +242,13 @@ class PageStore:
         """Move one page to tier ``dst``; returns the bytes copied (0 when the spill file
         already holds the page's current bytes: a clean page leaves without a write)."""
         copied = page.nbytes
-        if page.tier == "new":
-            data = None
-        elif page.tier == "disk":
-            data = self.home(page)
-        else:
-            data = page.buf
+        src = page.tier
+        slab = self._slabs.get(page.index)
+        in_slab = src == "device" and slab is not None
+        # the page's current bytes: one buffer, or (in a slab) its arrays; None when new
+        data: torch.Tensor | dict[str, torch.Tensor] | None
+        data = None if src == "new" else self.arrays(page) if in_slab else self._buffer(page)
+        new_buf = None
         if dst == "disk":
             region = self.spill.region(page.group, page.spill_offset, page.nbytes)
             if data is None:
@@ -236,28 +256,56 @@ class PageStore:
             elif page.spill_valid:
                 copied = 0
             else:
-                region.copy_(data)
+                _copy_page(page, region, data)
             page.spill_valid = True
-            new_buf = None
+        elif dst == "device" and slab is not None:
+            # fresh slab memory reads as zeros, and so does a released range
+            if data is not None:
+                _copy_page(page, slab.views(page), data)
+            self._count_device(page.nbytes)
         else:
             new_buf = self._alloc(dst, page.nbytes)
             if data is None:
                 new_buf.zero_()
             else:
-                new_buf.copy_(data)
-        if page.tier in ("device", "host"):
-            self._release(page.tier, page.nbytes)
+                _copy_page(page, new_buf, data)
+        if src in ("device", "host"):
+            self._release(src, page.nbytes)
         page.buf, page.tier = new_buf, dst
-        page._views = None  # cached views hold the old buffer alive
+        page._arrays = page._views = None  # cached views hold the old memory alive
+        if in_slab:
+            slab.release(page, lambda q: q.tier == "device")  # type: ignore[union-attr]
         return copied
 
+    def _buffer(self, page: Page) -> torch.Tensor:
+        """The one-buffer bytes of a page that is not in a slab: its buffer or spill region."""
+        return page.buf if page.buf is not None else self.home(page)
+
+    def arrays(self, page: Page) -> dict[str, torch.Tensor]:
+        """Typed flat views of each state array of a page, wherever it is (not "new").
+
+        The views of a device-tier page are made once and reused (until the page moves), so
+        :meth:`Page.segment_views` can cache the per-segment views built on them.
+        """
+        if page.tier == "disk":
+            return page.array_views(self.home(page))
+        cached = page._arrays
+        if cached is None:
+            slab = self._slabs.get(page.index) if page.tier == "device" else None
+            cached = slab.views(page) if slab is not None else page.array_views(page.buf)
+            page._arrays = cached
+        return cached
+
     def read_page(self, page: Page) -> torch.Tensor:
-        """A CPU copy of a page's bytes (for state dicts and saving)."""
+        """A CPU copy of a page's bytes in the one-buffer page format (state dicts, saving)."""
         self.engine.synchronize()
         if page.tier == "disk":
             return self.home(page).clone()
-        assert page.buf is not None
-        return page.buf.to("cpu", copy=True)
+        if page.buf is not None:
+            return page.buf.to("cpu", copy=True)
+        out = torch.zeros(page.nbytes, dtype=torch.uint8)  # zeros: alignment gaps are defined
+        _copy_page(page, out, self.arrays(page))
+        return out
 
     def write_page(self, page: Page, data: torch.Tensor) -> None:
         """Overwrite a page's bytes with ``data`` (a uint8 CPU tensor of ``page.nbytes``)."""
@@ -265,9 +313,10 @@ class PageStore:
         page.spill_valid = page.tier == "disk"
         if page.tier == "disk":
             self.home(page).copy_(data)
-        else:
-            assert page.buf is not None
+        elif page.buf is not None:
             page.buf.copy_(data)
+        else:
+            _copy_page(page, self.arrays(page), data)
 
     # ------------------------------------------------------------------ reporting
     def disk_bytes(self) -> int:
@@ -313,8 +362,27 @@ class PageStore:
         finally:
             for page in self.pages:
                 page.buf = None
-                page._views = None
+                page._arrays = page._views = None
                 page.tier = "closed"
             self.slots = []
+            for slab in dict.fromkeys(self._slabs.values()):
+                slab.close()
+            self._slabs = {}
             self.device_bytes = self.host_bytes = 0
             self.spill.close()
+
+
+def _copy_page(
+    page: Page,
+    dst: torch.Tensor | dict[str, torch.Tensor],
+    src: torch.Tensor | dict[str, torch.Tensor],
+) -> None:
+    """Copy a page's state from ``src`` to ``dst``, each its bytes in the one-buffer format
+    or its typed arrays (a slab's views): one copy when both are buffers, else one per array."""
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        dst.copy_(src)
+        return
+    dst_arrays = page.array_views(dst) if isinstance(dst, torch.Tensor) else dst
+    src_arrays = page.array_views(src) if isinstance(src, torch.Tensor) else src
+    for name, view in dst_arrays.items():
+        view.copy_(src_arrays[name])

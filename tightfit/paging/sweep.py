@@ -17,7 +17,7 @@ import torch
 from tightfit.paging.layout import Page
 from tightfit.paging.store import PageStore
 
-UpdateFn = Callable[[list[tuple[Page, torch.Tensor]]], None]
+UpdateFn = Callable[[list[tuple[Page, dict[str, torch.Tensor]]]], None]
 
 
 def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -> None:
@@ -27,8 +27,8 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         store: the page store (residency, window slots, copy engine, counters).
         pages: the pages holding state of params that have a gradient this step.
         step_id: id of the step; pages already marked with it are skipped.
-        update: called with ``(page, buffer)`` pairs whose buffers are on the device; it
-            updates params and state in place.
+        update: called with ``(page, arrays)`` pairs whose arrays (state name -> flat typed
+            view) are on the device; it updates params and state in place.
     """
     todo = [p for p in pages if p.updated_step != step_id]
     resident = [p for p in todo if p.tier == "device"]
@@ -51,7 +51,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
 
     def update_resident(chunk: list[Page]) -> None:
         if chunk:
-            update([(p, p.buf) for p in chunk])  # type: ignore[misc]
+            update([(p, store.arrays(p)) for p in chunk])
             for p in chunk:
                 p.updated_step = step_id
                 p.spill_valid = False
@@ -63,7 +63,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         for i, page in enumerate(streamed):
             slot = slots[i % len(slots)][: page.nbytes]
             counters.stall_seconds += engine.wait(handles.pop(i))
-            update([(page, slot)])
+            update([(page, page.array_views(slot))])
             page.updated_step = step_id
             page.spill_valid = page.tier == "disk"  # its home is rewritten just below
             # Only updated pages are written back: a page without gradients is never loaded.

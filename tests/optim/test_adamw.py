@@ -31,10 +31,13 @@ def _budget(kind: str, state_bytes: int, page: int) -> int | None:
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
+@pytest.mark.parametrize("slabs", [None, False], ids=["default", "page-buffers"])
 @pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
 @pytest.mark.parametrize(("paged_cls", "torch_cls"), [(PagedAdamW, torch.optim.AdamW),
                                                       (PagedAdam, torch.optim.Adam)])
-def test_matches_torch_over_50_steps(paged_cls, torch_cls, budget) -> None:
+def test_matches_torch_over_50_steps(monkeypatch, paged_cls, torch_cls, budget, slabs) -> None:
+    # default: slabs on the CPU; page-buffers: one buffer per page, the format CUDA uses
+    monkeypatch.setattr(PagedAdamW, "_slabs", slabs)
     _compare(paged_cls, torch_cls, budget, SIZES, PAGE)
 
 

@@ -1,0 +1,154 @@
+"""Slabs (the CPU device tier) and joined views: one kernel view per param, memory returned."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import pytest
+import torch
+
+from tightfit.optim.adamw import PagedAdamW
+from tightfit.paging.layout import StateSpec, build_pages
+from tightfit.paging.slab import Slab, page_runs, slabs_supported
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
+    pytest.mark.skipif(not slabs_supported(), reason="slabs need madvise (Linux)"),
+]
+MiB = 1 << 20
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s OS pages that are in RAM (``mincore``), the pages it touches counted."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    hi = -(-(t.data_ptr() + t.nbytes) // page) * page
+    vec = ctypes.create_string_buffer((hi - lo) // page)
+    assert libc.mincore(lo, hi - lo, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * page
+
+
+def _count_views(opt: PagedAdamW) -> list[int]:
+    """Wrap ``opt._update`` to record how many views each call gets."""
+    calls: list[int] = []
+    update = opt._update
+
+    def spy(group, params, grads, states, steps):  # noqa: ANN001, ANN202
+        calls.append(len(params))
+        return update(group, params, grads, states, steps)
+
+    opt._update = spy  # type: ignore[method-assign]
+    return calls
+
+
+def _grads(params: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+@pytest.mark.parametrize("slabs", [True, False])
+def test_fully_resident_step_gives_the_kernel_one_view_per_param(monkeypatch, slabs) -> None:
+    monkeypatch.setattr(PagedAdamW, "_slabs", slabs)
+    params = [torch.randn(n) for n in (300_000, 5, 70_000)]  # the first spans several pages
+    opt = PagedAdamW(params, page_bytes=256 << 10)
+    assert len(opt.pager.pages) >= 4
+    calls = _count_views(opt)
+    _grads(params, 0)
+    opt.step()
+    segments = sum(len(p.segments) for p in opt.pager.pages)
+    # slab: torch.optim.AdamW's own call shape; one buffer per page (CUDA's format): a view each
+    assert calls == ([3] if slabs else [segments])
+    opt.close()
+
+
+def test_views_are_joined_only_within_a_param_and_a_resident_run() -> None:
+    params = [torch.randn(n) for n in (300_000, 200_000)]
+    ref = [p.clone() for p in params]
+    opt = PagedAdamW(params, page_bytes=256 << 10, device_budget=1 * MiB)  # part streams
+    torch_opt = torch.optim.AdamW(ref, foreach=False)
+    calls = _count_views(opt)
+    for step in range(3):
+        _grads(params, step)
+        _grads(ref, step)
+        opt.step()
+        torch_opt.step()
+    streamed = sum(p.tier == "disk" for p in opt.pager.pages)
+    assert streamed > 0
+    # each streamed page is its own call with one view; resident runs are joined per param
+    assert sum(1 for c in calls if c == 1) >= 3 * streamed
+    for p, r in zip(params, ref):
+        assert ((p - r).norm() / r.norm()).item() <= 1e-6
+    opt.close()
+
+
+def test_evicted_slab_pages_leave_rss_and_come_back_intact() -> None:
+    n = 4_000_000  # 32 MiB of AdamW state in 1 MiB pages
+    param = torch.randn(n)
+    ref = param.clone()
+    opt = PagedAdamW([param], page_bytes=1 * MiB)
+    torch_opt = torch.optim.AdamW([ref], foreach=False)
+    _grads([param], 0)
+    _grads([ref], 0)
+    opt.step()
+    torch_opt.step()
+    slab = next(iter(opt.pager._slabs.values()))
+    in_ram = lambda: sum(_resident_bytes(a) for a in slab.arrays.values())  # noqa: E731
+    assert in_ram() >= 30 * MiB  # every page touched by the step
+    opt.pager.limit_device(4 * MiB, "test")  # ~2 pages resident + the 2-page window
+    stats = opt.memory_stats()
+    assert stats["device_bytes"] <= 4 * MiB
+    # what stays in RAM: the resident pages (the window slots are separate buffers)
+    assert in_ram() <= stats["resident_bytes"] + 2 * mmap.PAGESIZE * len(slab.arrays)
+    opt.pager.restore_bytes(None, "test")  # back into the slab, read from the spill file
+    for step in range(1, 3):
+        _grads([param], step)
+        _grads([ref], step)
+        opt.step()
+        torch_opt.step()
+    assert ((param - ref).norm() / ref.norm()).item() <= 1e-6
+    opt.close()
+
+
+def test_release_never_zeroes_a_resident_neighbour() -> None:
+    # pages of ~1 KiB: several pages share each 4 KiB OS page of every array
+    specs = [StateSpec("exp_avg", torch.float32), StateSpec("exp_avg_sq", torch.float32)]
+    pages = build_pages(0, [5000, 3, 2000], [torch.float32] * 3, specs, 1, 1024, 0)
+    (run,) = page_runs(pages)
+    slab = Slab(run)
+    for page in run:
+        for k, view in enumerate(slab.views(page).values()):
+            view.fill_(page.index + 0.5 * k + 1)
+    resident = {p.index for p in run if p.index % 20 < 3}  # evicted stretches of 17 pages
+    freed = 0
+    for page in run:
+        page.tier = "device" if page.index in resident else "disk"
+    for page in run:
+        if page.index not in resident:
+            freed += slab.release(page, lambda q: q.tier == "device")
+    assert freed > 0  # OS pages covered only by evicted pages went back
+    for page in run:
+        if page.index in resident:
+            for k, view in enumerate(slab.views(page).values()):
+                assert torch.all(view == page.index + 0.5 * k + 1), page.index
+    slab.close()
+
+
+def test_slabs_are_refused_off_the_cpu() -> None:
+    from tightfit.paging.store import PageStore
+
+    with pytest.raises(ValueError, match="slabs=True needs params on the CPU"):
+        PageStore(torch.device("meta"), 1 << 20, None, None, None, slabs=True)
+
+
+def test_one_kernel_view_per_param_for_bf16_params() -> None:
+    params = [torch.randn(300_000).bfloat16() for _ in range(2)]
+    opt = PagedAdamW(params, page_bytes=256 << 10)
+    calls = _count_views(opt)
+    _grads(params, 0)
+    opt.step()
+    assert calls == [2]
+    opt.close()

@@ -13,48 +13,53 @@ import torch
 
 from tightfit.paging.layout import Page
 
+Run = tuple[torch.Tensor, int, int, dict[str, torch.Tensor]]
+
 
 def coalesce(
     params: list[torch.Tensor],
     bucket: list[tuple[Page, dict[str, torch.Tensor]]],
     limit: int | None,
-) -> list[tuple[torch.Tensor, int, int, dict[str, torch.Tensor]]]:
+) -> list[Run]:
     """The segments of ``bucket``'s pages whose param has a gradient, as
     ``(param, start, end, state views)``, joining a segment to the previous one when it
-    continues the same param and every state view continues the previous one in memory
-    (pages next to each other in a slab). Joined runs stay under ``limit`` elements."""
-    runs: list[tuple[torch.Tensor, int, int, dict[str, torch.Tensor]]] = []
+    continues the same param and its state views continue the previous ones in the same slab
+    (consecutive pages of a run). Joined runs stay under ``limit`` elements."""
+    # per run: param, start, end, the slab (None: cannot grow), views per name (parts)
+    runs: list[tuple[torch.Tensor, int, int, object, dict[str, list[torch.Tensor]]]] = []
     for page, arrays in bucket:
         views = page.segment_views(arrays)
+        slab = getattr(arrays, "slab", None)
         for k, seg in enumerate(page.segments):
             p = params[seg.param]
             if p.grad is None:
                 continue
-            mine = {name: vs[k] for name, vs in views.items()}
             end = seg.start + seg.length
-            if runs:
-                q, start, last_end, last = runs[-1]
+            if runs and slab is not None:
+                q, start, last_end, last_slab, parts = runs[-1]
                 if (
                     q is p
                     and last_end == seg.start
+                    and last_slab is slab
                     and (limit is None or end - start <= limit)
-                    and all(_follows(last[n], v) for n, v in mine.items())
+                    and all(_follows(parts[n][-1], vs[k]) for n, vs in views.items())
                 ):
-                    runs[-1] = (p, start, end, {n: _join(last[n], v) for n, v in mine.items()})
+                    for n, vs in views.items():
+                        parts[n].append(vs[k])
+                    runs[-1] = (p, start, end, slab, parts)
                     continue
-            runs.append((p, seg.start, end, mine))
-    return runs
+            runs.append((p, seg.start, end, slab, {n: [vs[k]] for n, vs in views.items()}))
+    return [(p, a, b, {n: _joined(v) for n, v in parts.items()}) for p, a, b, _, parts in runs]
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether flat view ``b`` starts right where flat view ``a`` ends, in the same memory."""
-    return (
-        a.dtype == b.dtype
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() + a.numel() == b.storage_offset()
-    )
+    """Whether flat view ``b`` starts right where ``a`` ends (both in one slab's array)."""
+    return a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
 
 
-def _join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One flat view over ``a`` then ``b`` (which :func:`_follows` it)."""
-    return a.as_strided((a.numel() + b.numel(),), (1,), a.storage_offset())
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One flat view over ``parts``, consecutive views of one array (see :func:`_follows`)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return first.as_strided((sum(v.numel() for v in parts),), (1,), first.storage_offset())

@@ -51,6 +51,15 @@ def _run_key(page: Page) -> tuple:
     return (page.group, page.dtype, tuple((n, a[2], a[3]) for n, a in page.arrays.items()))
 
 
+class SlabViews(dict):
+    """A page's arrays (name -> flat typed view) that live in ``slab``: views of consecutive
+    pages of one slab continue each other, which :mod:`tightfit.paging.coalesce` relies on."""
+
+    def __init__(self, slab: Slab, views: dict[str, torch.Tensor]) -> None:
+        super().__init__(views)
+        self.slab = slab
+
+
 class Slab:
     """The memory of one run of pages on the CPU device tier, one array per state name.
 
@@ -91,10 +100,12 @@ class Slab:
         start = self._base[name] + self._first[page.index][name] * dtype.itemsize
         return start, start + numel * dtype.itemsize
 
-    def views(self, page: Page) -> dict[str, torch.Tensor]:
+    def views(self, page: Page) -> SlabViews:
         """Typed flat views of ``page``'s arrays inside the slab."""
         first = self._first[page.index]
-        return {n: self.arrays[n][first[n] : first[n] + page.arrays[n][1]] for n in self.arrays}
+        return SlabViews(
+            self, {n: self.arrays[n][first[n] : first[n] + page.arrays[n][1]] for n in self.arrays}
+        )
 
     def release(self, page: Page, resident: Callable[[Page], bool]) -> int:
         """Give the OS pages under ``page``'s arrays back, except those a resident page shares.

@@ -65,7 +65,8 @@ def test_fully_resident_step_gives_the_kernel_one_view_per_param(monkeypatch, sl
     opt.close()
 
 
-def test_views_are_joined_only_within_a_param_and_a_resident_run() -> None:
+def test_views_are_joined_only_within_a_param_and_a_resident_run(monkeypatch) -> None:
+    monkeypatch.setattr(PagedAdamW, "_slabs", True)
     params = [torch.randn(n) for n in (300_000, 200_000)]
     ref = [p.clone() for p in params]
     opt = PagedAdamW(params, page_bytes=256 << 10, device_budget=1 * MiB)  # part streams
@@ -85,7 +86,8 @@ def test_views_are_joined_only_within_a_param_and_a_resident_run() -> None:
     opt.close()
 
 
-def test_evicted_slab_pages_leave_rss_and_come_back_intact() -> None:
+def test_evicted_slab_pages_leave_rss_and_come_back_intact(monkeypatch) -> None:
+    monkeypatch.setattr(PagedAdamW, "_slabs", True)
     n = 4_000_000  # 32 MiB of AdamW state in 1 MiB pages
     param = torch.randn(n)
     ref = param.clone()
@@ -144,7 +146,8 @@ def test_slabs_are_refused_off_the_cpu() -> None:
         PageStore(torch.device("meta"), 1 << 20, None, None, None, slabs=True)
 
 
-def test_one_kernel_view_per_param_for_bf16_params() -> None:
+def test_one_kernel_view_per_param_for_bf16_params(monkeypatch) -> None:
+    monkeypatch.setattr(PagedAdamW, "_slabs", True)
     params = [torch.randn(300_000).bfloat16() for _ in range(2)]
     opt = PagedAdamW(params, page_bytes=256 << 10)
     calls = _count_views(opt)

@@ -34,10 +34,9 @@ from tightfit.paging.probes import Probe
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 
-# 8 MiB: the fused kernel runs once per page view, and on the CPU each view costs a little
-# (parallel-section and memory effects): see benchmarks/results/optimizer_pagesize.md for the
-# fully resident step vs one fused call at 4/8/16 MiB. Larger pages coarsen the budget
-# granularity and the 2-page streaming window, so 8 MiB is the compromise.
+# 8 MiB: a few MiB, as the budget granularity and the 2-page streaming window want. Kernel
+# cost no longer depends on it on the CPU (slabs join resident pages into one view per param;
+# benchmarks/results/optimizer_pagesize.md has the fully resident step at 4/8/16 MiB).
 DEFAULT_PAGE_BYTES = 8 << 20
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -50,3 +50,35 @@ def test_preexisting_tensors_not_counted() -> None:
 def test_bad_device() -> None:
     with pytest.raises(ValueError, match="cpu"):
         MemoryTracker("meta")
+
+
+def test_external_memory_is_counted_like_a_storage_made_inside() -> None:
+    from tightfit.memory.tracker import external_allocated, external_freed
+
+    external_allocated("before", 1000)  # no tracker active: nobody counts it
+    with MemoryTracker("cpu") as mt:
+        external_allocated("a", 4096)
+        external_allocated("b", 100)
+        assert mt.current_bytes == 4196
+        external_freed("a")
+        external_freed("before")  # went live before the tracker: not subtracted
+        assert mt.current_bytes == 100
+    assert mt.peak_bytes == 4196
+    external_freed("b")
+    external_allocated("after", 7)  # the tracker is gone: nothing holds on to it
+    assert mt.current_bytes == 100
+
+
+@pytest.mark.parametrize("slabs", [None, False], ids=["slabs", "page-buffers"])
+def test_paged_optimizer_state_is_seen_in_either_page_format(monkeypatch, slabs) -> None:
+    from tightfit.optim.adamw import PagedAdamW
+
+    monkeypatch.setattr(PagedAdamW, "_slabs", slabs)
+    p = torch.randn(100_000)
+    p.grad = torch.randn_like(p)
+    with MemoryTracker("cpu") as mt:
+        opt = PagedAdamW([p], page_bytes=64 << 10)
+        opt.step()
+        assert mt.current_bytes >= 100_000 * 8  # exp_avg + exp_avg_sq
+        opt.close()
+        assert mt.current_bytes <= 8  # the step counter may outlive close()

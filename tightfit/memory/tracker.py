@@ -39,19 +39,61 @@ class PhaseRecord:
     end_bytes: int
 
 
+# CPU counters now active, told about memory that torch's allocator never sees (see
+# external_allocated); a WeakSet, so a tracker dropped without __exit__ leaves nothing behind.
+_ACTIVE: weakref.WeakSet[_StorageCounter] = weakref.WeakSet()
+
+
+def external_allocated(key: object, nbytes: int) -> None:
+    """Tell active CPU trackers that ``nbytes`` of tensor memory outside torch's allocator
+    went live (e.g. a page entering a slab, a private mapping: ``tightfit.paging.slab``).
+
+    Counted like a storage made in the tracked region: :func:`external_freed` with the same
+    ``key`` subtracts it again; memory that went live before a tracker was entered is not
+    counted by it, nor subtracted when freed.
+    """
+    for counter in list(_ACTIVE):
+        counter.add_external(key, nbytes)
+
+
+def external_freed(key: object) -> None:
+    """The memory announced under ``key`` with :func:`external_allocated` is gone."""
+    for counter in list(_ACTIVE):
+        counter.drop_external(key)
+
+
 class _StorageCounter(TorchDispatchMode):
     """Counts bytes of CPU storages allocated while the mode is active and still alive."""
 
     def __init__(self, on_change: Any) -> None:
         super().__init__()
         self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._external: dict[object, int] = {}
         self._lock = threading.Lock()
         self._on_change = on_change
         self.current = 0
 
+    def __enter__(self) -> _StorageCounter:
+        _ACTIVE.add(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.discard(self)
+        super().__exit__(*exc)
+
     def _forget(self, nbytes: int) -> None:
         with self._lock:
             self.current -= nbytes
+
+    def add_external(self, key: object, nbytes: int) -> None:
+        with self._lock:
+            self._external[key] = self._external.get(key, 0) + nbytes
+            self.current += nbytes
+        self._on_change(self.current)
+
+    def drop_external(self, key: object) -> None:
+        with self._lock:
+            self.current -= self._external.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -96,7 +138,8 @@ class MemoryTracker:
         device: Device to measure. ``None`` means CUDA's current device when CUDA is
             available, else the CPU. On CUDA the figures come from the caching allocator's
             statistics; on the CPU from counting live storages (tensors only: memory that a
-            C extension allocates outside torch is not seen).
+            C extension allocates outside torch is not seen unless it is announced with
+            :func:`external_allocated`, as tightfit's CPU slabs do).
 
     Attributes:
         peak_bytes: Highest live bytes above the baseline seen so far.

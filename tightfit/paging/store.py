@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tightfit.memory import tracker
 from tightfit.paging.events import EventLog
 from tightfit.paging.layout import Page
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
@@ -263,6 +264,7 @@ class PageStore:
             if data is not None:
                 _copy_page(page, slab.views(page), data)
             self._count_device(page.nbytes)
+            tracker.external_allocated((slab, page.index), page.nbytes)  # MemoryTracker sees it
         else:
             new_buf = self._alloc(dst, page.nbytes)
             if data is None:
@@ -275,6 +277,7 @@ class PageStore:
         page._arrays = page._views = None  # cached views hold the old memory alive
         if in_slab:
             slab.release(page, lambda q: q.tier == "device")  # type: ignore[union-attr]
+            tracker.external_freed((slab, page.index))
         return copied
 
     def _buffer(self, page: Page) -> torch.Tensor:
@@ -361,6 +364,8 @@ class PageStore:
             self.engine.close()
         finally:
             for page in self.pages:
+                if page.tier == "device" and page.index in self._slabs:
+                    tracker.external_freed((self._slabs[page.index], page.index))
                 page.buf = None
                 page._arrays = page._views = None
                 page.tier = "closed"

@@ -155,3 +155,39 @@ def test_one_kernel_view_per_param_for_bf16_params(monkeypatch) -> None:
     opt.step()
     assert calls == [2]
     opt.close()
+
+
+def test_a_refused_mapping_falls_back_to_one_buffer_per_page(monkeypatch) -> None:
+    import tightfit.paging.slab as slab_mod
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(PagedAdamW, "_slabs", True)
+    monkeypatch.setattr(slab_mod.mmap, "mmap", refuse)
+    params = [torch.randn(100_000)]
+    ref = [params[0].clone()]
+    opt = PagedAdamW(params, page_bytes=64 << 10, device_budget=256 << 10)
+    torch_opt = torch.optim.AdamW(ref, foreach=False)
+    assert opt.pager._slabs == {}
+    for step in range(3):
+        _grads(params, step)
+        _grads(ref, step)
+        opt.step()
+        torch_opt.step()
+    assert ((params[0] - ref[0]).norm() / ref[0].norm()).item() <= 1e-6
+    assert all(p.buf is not None for p in opt.pager.pages if p.tier == "device")
+    opt.close()
+
+
+@pytest.mark.skipif(
+    __import__("tightfit.paging.slab", fromlist=["x"])._MAP_NORESERVE == 0,
+    reason="MAP_NORESERVE's value is only known for x86_64/aarch64",
+)
+def test_a_slab_larger_than_ram_is_mapped_without_reserving_it() -> None:
+    # 64 GiB of virtual slab on a machine with less RAM: only touched pages would cost memory
+    specs = [StateSpec("exp_avg", torch.float32)]
+    pages = build_pages(0, [16 << 30], [torch.float32], specs, 1, 1 << 30, 0)
+    slab = Slab(page_runs(pages)[0])
+    assert slab.arrays["exp_avg"].numel() == 16 << 30
+    slab.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import mmap
+import platform
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,10 @@ import torch
 from tightfit.paging.layout import Page
 
 _OS_PAGE = mmap.PAGESIZE
+# MAP_NORESERVE (Linux; Python does not export it): a slab maps a whole run's state, which
+# may exceed RAM + swap when most of it lives on disk; without it the kernel's overcommit
+# heuristic refuses such a mapping (ENOMEM) even though only resident pages are ever touched.
+_MAP_NORESERVE = 0x4000 if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") else 0
 
 
 def slabs_supported() -> bool:
@@ -82,8 +87,10 @@ class Slab:
             self._base[n] = size
             nbytes = counts[n] * pages[0].arrays[n][2].itemsize
             size += -(-nbytes // _OS_PAGE) * _OS_PAGE
-        # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled on first touch, untouched pages cost nothing
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        # MAP_PRIVATE | MAP_ANONYMOUS: zero-filled on first touch, untouched pages cost nothing.
+        # Raises OSError where the mapping is refused; the store then keeps the run's pages in
+        # one buffer each.
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.arrays = {
             n: raw[self._base[n] : self._base[n] + counts[n] * pages[0].arrays[n][2].itemsize].view(

@@ -95,7 +95,10 @@ class PageStore:
             self.pages.append(page)
         if self.use_slabs:
             for run in page_runs(pages):
-                slab = Slab(run)
+                try:
+                    slab = Slab(run)
+                except OSError:  # mapping refused (e.g. strict overcommit): a buffer per page
+                    continue
                 self._slabs.update((page.index, slab) for page in run)
         for group, size in self._spill_sizes.items():
             self.spill.reserve(group, size)

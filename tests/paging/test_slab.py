@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdamW
+from tightfit.paging import slab as slab_mod
 from tightfit.paging.layout import StateSpec, build_pages
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
 
@@ -158,8 +159,6 @@ def test_one_kernel_view_per_param_for_bf16_params(monkeypatch) -> None:
 
 
 def test_a_refused_mapping_falls_back_to_one_buffer_per_page(monkeypatch) -> None:
-    import tightfit.paging.slab as slab_mod
-
     def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise OSError(12, "Cannot allocate memory")
 
@@ -181,7 +180,7 @@ def test_a_refused_mapping_falls_back_to_one_buffer_per_page(monkeypatch) -> Non
 
 
 @pytest.mark.skipif(
-    __import__("tightfit.paging.slab", fromlist=["x"])._MAP_NORESERVE == 0,
+    slab_mod._MAP_NORESERVE == 0,
     reason="MAP_NORESERVE's value is only known for x86_64/aarch64",
 )
 def test_a_slab_larger_than_ram_is_mapped_without_reserving_it() -> None:

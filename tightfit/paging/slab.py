@@ -22,6 +22,7 @@ import bisect
 import contextlib
 import mmap
 import platform
+import sys
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,9 @@ _MAP_NORESERVE = 0x4000 if platform.machine() in ("x86_64", "AMD64", "aarch64", 
 
 
 def slabs_supported() -> bool:
-    """Whether this platform can give memory back from the middle of a mapping."""
-    return hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap, "MAP_PRIVATE")
+    """Whether this platform gives memory back from the middle of a mapping at once (Linux:
+    ``MADV_DONTNEED`` on private anonymous memory frees it; elsewhere it is only advice)."""
+    return sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
 
 
 def page_runs(pages: list[Page]) -> list[list[Page]]:

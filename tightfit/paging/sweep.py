@@ -2,8 +2,8 @@
 
 The sweep starts loading the first streamed pages into the window, then walks the streamed
 pages: wait for page *i*, update it, write it back, start loading page *i + slots* into the freed
-slot. The resident pages are updated in batched calls spread between the streamed pages (all in
-one call when nothing streams), so the copies run behind compute the whole time. Each page is
+slot. The resident pages are updated in batched calls spread between the streamed pages (one
+call per layout when nothing streams), so the copies run behind compute the whole time. Each page is
 marked with the step id once updated, so a sweep that stops part-way (an error, an
 out-of-memory) can be run again for the same step and updates only the pages it had not done.
 """
@@ -50,9 +50,12 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
     chunks = _split(resident, len(streamed) + 1)
 
     def update_resident(chunk: list[Page]) -> None:
-        if chunk:
-            update([(p, store.arrays(p)) for p in chunk])
-            for p in chunk:
+        # One call per layout (group, param dtype, arrays), each marked as soon as it is done:
+        # the update makes one kernel call per layout, so an error in a later call must not
+        # leave earlier, already updated pages unmarked (a retry would update them twice).
+        for part in _by_layout(chunk):
+            update([(p, store.arrays(p)) for p in part])
+            for p in part:
                 p.updated_step = step_id
                 p.spill_valid = False
 
@@ -75,6 +78,14 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
     finally:
         # Write-backs of updated pages must land even when a later page failed.
         counters.stall_seconds += engine.drain()
+
+
+def _by_layout(pages: list[Page]) -> list[list[Page]]:
+    """``pages`` grouped by (group, param dtype, state arrays), first-seen order kept."""
+    out: dict[tuple, list[Page]] = {}
+    for page in pages:
+        out.setdefault((page.group, page.dtype, tuple(page.arrays)), []).append(page)
+    return list(out.values())
 
 
 def _split(items: list[Page], parts: int) -> list[list[Page]]:

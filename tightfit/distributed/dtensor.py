@@ -34,6 +34,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def local_flat(t: torch.Tensor, start: int, end: int, *, in_place: bool) -> torch.Tensor:
+    """Elements ``start:end`` of ``t``'s local shard, flat; the whole tensor without a slice
+    when the range covers it (a LoRA step has hundreds of params, and each view costs
+    microseconds of Python). ``in_place``: the result must be a view (a param the kernel
+    updates; ``view`` raises rather than copy a non-contiguous one), else a copy may do."""
+    if type(t) not in _PLAIN:
+        t = local_tensor(t)
+    flat = t.view(-1) if in_place else t.reshape(-1)
+    return flat if start == 0 and end == flat.numel() else flat[start:end]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # never DTensors: skip the isinstance check
+
+
 def local_numel(p: torch.Tensor) -> int:
     """Elements of ``p`` that this rank stores (and so pages state for)."""
     return local_tensor(p).numel()

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import local_tensor
+from tightfit.distributed.dtensor import local_flat, local_tensor
 from tightfit.optim import checks, state_io
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.events import PagingEvent
@@ -275,10 +275,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                 continue
             params, grads, steps = [], [], []
             states: dict[str, list[torch.Tensor]] = {name: [] for name in runs[0][3]}
+            state = self.state
             for p, start, end, views in runs:
-                params.append(local_tensor(p).view(-1)[start:end])
-                grads.append(local_tensor(p.grad).reshape(-1)[start:end])
-                steps.append(self.state[p]["step"])
+                params.append(local_flat(p, start, end, in_place=True))
+                grads.append(local_flat(p.grad, start, end, in_place=False))
+                steps.append(state[p]["step"])
                 for name, view in views.items():
                     states[name].append(view)
             if dtype in _LOW_PRECISION:
@@ -395,3 +396,4 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

@@ -23,9 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import local_flat, local_tensor
-from tightfit.optim import checks, state_io
-from tightfit.paging.coalesce import coalesce
+from tightfit.distributed.dtensor import local_tensor
+from tightfit.optim import checks, state_io, views
 from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
@@ -270,18 +269,12 @@ class PagedOptimizer(torch.optim.Optimizer):
             )
         for (gi, dtype, _layout), bucket in buckets.items():
             group = self.param_groups[gi]
-            runs = coalesce(group["params"], bucket, self._view_limit)
-            if not runs:
+            lists = views.bucket_lists(
+                self.state, group["params"], bucket, self._view_limit, self._store.view_cache
+            )
+            if lists is None:
                 continue
-            params, grads, steps = [], [], []
-            states: dict[str, list[torch.Tensor]] = {name: [] for name in runs[0][3]}
-            state = self.state
-            for p, start, end, views in runs:
-                params.append(local_flat(p, start, end, in_place=True))
-                grads.append(local_flat(p.grad, start, end, in_place=False))
-                steps.append(state[p]["step"])
-                for name, view in views.items():
-                    states[name].append(view)
+            params, grads, states, steps = lists
             if dtype in _LOW_PRECISION:
                 # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
                 p32 = [p.float() for p in params]
@@ -299,6 +292,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
         self._check_open()
+        self._store.view_cache.clear()  # the step tensors are replaced
         state_io.from_torch(self, state_dict)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -309,6 +303,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` for the same params, page by page."""
         self._check_open()
+        self._store.view_cache.clear()  # the step tensors are replaced
         state_io.load(self, path)
 
     # ------------------------------------------------------------------ memory

@@ -82,6 +82,8 @@ class PageStore:
         self._spill_sizes: dict[int, int] = {}
         self.use_slabs = device.type == "cpu" and slabs_supported() if slabs is None else slabs
         self._slabs: dict[int, Slab] = {}  # page index -> the slab holding it on the device
+        # the update's lists per resident batch (tightfit.optim.views); emptied by every move
+        self.view_cache: dict = {}
         self._closed = False
 
     # ------------------------------------------------------------------ layout
@@ -146,6 +148,7 @@ class PageStore:
         """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any."""
         tiers, nslots = self.plan()
         self.engine.synchronize()
+        self.view_cache.clear()  # it holds views of pages that may move now
         moves: dict[tuple[str, str], list[int]] = {}
         # Leave the device first so the peak never exceeds the limit mid-move.
         order = sorted(range(len(self.pages)), key=lambda i: tiers[i] == "device")
@@ -373,6 +376,7 @@ class PageStore:
                 page._arrays = page._views = None
                 page.tier = "closed"
             self.slots = []
+            self.view_cache.clear()
             for slab in dict.fromkeys(self._slabs.values()):
                 slab.close()
             self._slabs = {}

@@ -7,7 +7,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+command -v "$PY" >/dev/null 2>&1 || PY=python3  # a path or a command name (PY=python)
 LOG=benchmarks/results/gpu_check.log
 mkdir -p benchmarks/results
 

@@ -142,7 +142,10 @@ class PagedAdamW(PagedOptimizer):
             # torch's fused kernel itself: it only reads the step counts (torch's wrapper adds
             # 1 first, which we did once per param at the start of the step).
             kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-            if isinstance(lr, torch.Tensor) and lr.device != params[0].device:
+            # as torch's _fused_adamw: a CPU lr tensor goes in as it is (the kernel reads it as
+            # a number; copying it to the GPU would block on every call); another device's moves
+            on_other = isinstance(lr, torch.Tensor) and lr.device != params[0].device
+            if on_other and lr.device.type != "cpu":
                 lr = lr.to(params[0].device)
             kernel(
                 params,

@@ -237,6 +237,7 @@ class PageStore:
         for slot in self.slots:
             self._release("device", slot.numel())
         self.slots = []
+        self.engine.slots_freed()
 
     def home(self, page: Page) -> torch.Tensor:
         """The bytes of a non-device page: its host buffer or its spill-file region."""

@@ -270,6 +270,9 @@ class CopyEngine:
         finally:
             self._pool.close()
 
+    def slots_freed(self) -> None:
+        """The window slots are about to be freed (the caller synchronized first)."""
+
 
 class CudaCopyEngine(CopyEngine):
     """CUDA version: host↔device copies on a side stream ordered by events.
@@ -345,3 +348,17 @@ class CudaCopyEngine(CopyEngine):
         self.stream.synchronize()
         super().drain()
         torch.cuda.current_stream(self.device).synchronize()
+
+    def slots_freed(self) -> None:
+        # staging buffers are keyed by slot address: new slots get new ones, so drop these
+        # (pinned memory) rather than keep one set per re-plan
+        self._staging.clear()
+
+    def close(self) -> None:
+        # a load still in flight on the side stream (a step that failed) must land before
+        # its slot's memory can be reused
+        try:
+            self.stream.synchronize()
+        finally:
+            super().close()
+            self._staging.clear()

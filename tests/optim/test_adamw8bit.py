@@ -348,3 +348,27 @@ def test_torch_backend_transient_memory_is_per_chunk_not_per_state() -> None:
     # dequantized fp32 copies exist for about one page of elements at a time
     assert peaks[1] <= 1.1 * peaks[0]
     assert peaks[1] < 0.25 * fp32_state_16
+
+
+def test_step_counts_are_read_once_per_step_not_per_page(monkeypatch) -> None:
+    # bitsandbytes' kernel takes the step as a number; reading the counts per update call
+    # would synchronize a GPU once per streamed page
+    ps = [torch.randn(20_000) for _ in range(3)]
+    opt = PagedAdamW8bit(ps, page_bytes=PAGE, device_budget=3 * PAGE, backend="bitsandbytes")
+    stacks: list[int] = []
+    stack = torch.stack
+
+    def counting(tensors, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if all(t.dim() == 0 for t in tensors):
+            stacks.append(len(tensors))
+        return stack(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", counting)
+    for step in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert len(stacks) == step + 1  # one read per optimizer step
+    assert opt.memory_stats()["page_faults"] >= 3 * 3  # several streamed pages per step
+    assert all(float(s["step"]) == 3.0 for s in opt.state_dict()["state"].values())
+    opt.close()

@@ -166,7 +166,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         ops = quant8.bnb_ops()
         beta1, beta2, eps, wd = self._kernel_args(group)
         lr = float(group["lr"])
-        counts = torch.stack(steps).tolist()  # one read of all step counts (no per-param sync)
+        counts = self._host_counts(steps)
         two = n == 2
         for k, (p, g) in enumerate(zip(params, grads)):
             ops.optimizer_update_8bit_blockwise(
@@ -177,6 +177,19 @@ class Paged8bitOptimizer(PagedOptimizer):
                 states["absmax1"][k], states["absmax2"][k] if two else None,
                 wd, 1.0, False,
             )  # fmt: skip
+
+    def _host_counts(self, steps: list[torch.Tensor]) -> list[int]:
+        """Each step tensor's count as an int, read from the device once per optimizer step:
+        bitsandbytes' kernel takes the count as a number, and a read per update call would
+        synchronize a GPU once per streamed page, stalling the copies behind it. Kept in the
+        store's view cache, which page moves and state loads empty."""
+        cache = self._store.view_cache
+        step_id, counts = cache.get("step counts", (None, {}))
+        if step_id != self._step_id or any(id(s) not in counts for s in steps):
+            every = [st["step"] for st in self.state.values() if "step" in st]
+            counts = dict(zip(map(id, every), torch.stack(every).tolist()))
+            cache["step counts"] = (self._step_id, counts)
+        return [int(counts[id(s)]) for s in steps]
 
     def _update_torch_chunk(
         self,

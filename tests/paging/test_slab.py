@@ -190,3 +190,26 @@ def test_a_slab_larger_than_ram_is_mapped_without_reserving_it() -> None:
     slab = Slab(page_runs(pages)[0])
     assert slab.arrays["exp_avg"].numel() == 16 << 30
     slab.close()
+
+
+def test_a_group_added_after_the_first_step_gets_its_own_slab(monkeypatch) -> None:
+    monkeypatch.setattr(PagedAdamW, "_slabs", True)
+    first, later = [torch.randn(50_000)], [torch.randn(30_000), torch.randn(9)]
+    ref = [p.clone() for p in first + later]
+    opt = PagedAdamW(first, page_bytes=64 << 10)
+    torch_opt = torch.optim.AdamW(ref[:1], foreach=False)
+    _grads(first, 0)
+    _grads(ref[:1], 0)
+    opt.step()
+    torch_opt.step()
+    opt.add_param_group({"params": later, "lr": 3e-3})
+    torch_opt.add_param_group({"params": ref[1:], "lr": 3e-3})
+    assert len(set(opt.pager._slabs.values())) == 2
+    for step in range(1, 4):
+        _grads(first + later, step)
+        _grads(ref, step)
+        opt.step()
+        torch_opt.step()
+    for p, r in zip(first + later, ref):
+        assert ((p - r).norm() / r.norm()).item() <= 1e-6
+    opt.close()

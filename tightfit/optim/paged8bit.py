@@ -14,6 +14,12 @@ torch. 32-bit segments always take the fp32 math.
 State dicts: :meth:`state_dict` returns the codes and absmax themselves (uint8/fp32 tensors;
 a round trip is bit-exact); :meth:`torch_state_dict` returns torch's fp32 format
 (dequantized, e.g. ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes either.
+
+FSDP2 (DTensor) params: the 8-bit-or-fp32 decision uses the param's global size (every rank and
+a single process decide alike); the pages hold the rank's local shard in 256-element blocks of
+the flattened shard, and the update runs on local views. Block scales of local shards cannot
+follow the param's placements, so with any DTensor param :meth:`state_dict` returns torch's
+fp32 format with each state tensor a DTensor laid out like its param (what DCP reshards).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import is_dtensor
+from tightfit.distributed.dtensor import is_dtensor, like_param, local_tensor
 from tightfit.optim import checks, quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
 from tightfit.paging.layout import StateSpec
@@ -109,11 +115,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         return specs
 
     def _param_specs(self, group: dict[str, Any], param: torch.Tensor) -> list[StateSpec]:
-        if is_dtensor(param):
-            raise TypeError(
-                f"{type(self).__name__} does not page FSDP2/DTensor params yet; use PagedAdamW "
-                "(or PagedLion/PagedSGD) with FSDP2, or this optimizer without sharding"
-            )
+        # A DTensor's numel() is the global size: every rank (and a single process) gives the
+        # param the same layout, so a state dict means the same on any number of ranks.
         if quant8.is_8bit(param.numel(), self._min_8bit_size):
             return self._state_specs(group)
         return [StateSpec(f"state{i}", torch.float32) for i in range(1, self._n_states() + 1)]
@@ -233,6 +236,7 @@ class Paged8bitOptimizer(PagedOptimizer):
                 p = group["params"][seg.param]
                 if p not in self.state:
                     continue
+                numel = local_tensor(p).numel()  # the pages hold this rank's shard
                 slot = out.setdefault(index[id(p)], {})
                 lo, hi = seg.start, seg.start + seg.length
                 eight = "absmax1" in views
@@ -240,18 +244,17 @@ class Paged8bitOptimizer(PagedOptimizer):
                     codes = views[f"state{i}"][k]
                     if dequantized:
                         name = self.torch_names[i - 1]
-                        dst = slot.setdefault(name, torch.empty(p.numel()))
+                        dst = slot.setdefault(name, torch.empty(numel))
                         dst[lo:hi] = (
                             quant8.dequantize_torch(codes, views[f"absmax{i}"][k], cpu_maps[i - 1])
                             if eight
                             else codes
                         )
                         continue
-                    dst = slot.setdefault(f"state{i}", torch.empty(p.numel(), dtype=codes.dtype))
+                    dst = slot.setdefault(f"state{i}", torch.empty(numel, dtype=codes.dtype))
                     dst[lo:hi] = codes
                     if eight:
-                        b = quant8.blocks(p.numel())
-                        am = slot.setdefault(f"absmax{i}", torch.empty(b))
+                        am = slot.setdefault(f"absmax{i}", torch.empty(quant8.blocks(numel)))
                         am[lo // self.unit : lo // self.unit + quant8.blocks(seg.length)] = views[
                             f"absmax{i}"
                         ][k]
@@ -268,19 +271,36 @@ class Paged8bitOptimizer(PagedOptimizer):
             # torch's state_dict() shares each entry dict with self.state: copy, never mutate
             entry = sd["state"][i] = dict(sd["state"][i])
             entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+            shape = local_tensor(params[i]).shape
             for name, t in arrays.items():
-                entry[name] = t if name.startswith("absmax") else t.view(params[i].shape)
+                if name.startswith("absmax"):
+                    entry[name] = t
+                elif dequantized:  # a DTensor with the param's placements (identity if plain)
+                    entry[name] = like_param(t.view(shape), params[i])
+                else:
+                    entry[name] = t.view(shape)
         return sd
+
+    def _has_dtensor(self) -> bool:
+        """Whether any param is a DTensor (then state dicts must be in torch's format)."""
+        return any(is_dtensor(p) for p in self._all_params())
 
     def state_dict(self) -> dict[str, Any]:
         """Native state dict: per param ``step``, ``state1``/``state2`` (uint8 codes shaped like
         the param, or fp32 below ``min_8bit_size``) and ``absmax1``/``absmax2`` (fp32, one per
-        256 elements). Loading it into the same class continues bit-identically."""
-        return self._state_dict(dequantized=False)
+        256 elements). Loading it into the same class continues bit-identically.
+
+        With any DTensor (FSDP2) param it is :meth:`torch_state_dict` instead: the absmax of
+        blocks of a local shard cannot follow the param's placements, so DCP could not reshard
+        native state; dequantized fp32 DTensor state it can.
+        """
+        return self._state_dict(dequantized=self._has_dtensor())
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The state in torch's fp32 format, dequantized (e.g. ``torch.optim.AdamW``'s
-        ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes it back (quantizing)."""
+        ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes it back (quantizing). For a
+        DTensor param each state tensor is a DTensor with the param's placements; ``step`` is
+        a plain tensor, as in torch's optimizers."""
         return self._state_dict(dequantized=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -3,6 +3,12 @@
 Everything is checked first — groups, params, each tensor's shape and dtype against the layout
 the optimizer gives that param — and only then are groups, steps and pages written, so a bad
 state dict leaves the optimizer as it was.
+
+For a DTensor (FSDP2) param the torch format's state may be DTensors (from
+``set_optimizer_state_dict``, resharded by DCP): their local shards, checked against the
+param's placements and local shape, are quantized into the pages. Native codes and absmax
+describe blocks of one layout of the param and are never resharded, so they are taken only as
+plain tensors the size of the rank's shard.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tightfit.distributed.dtensor import is_dtensor, local_state, local_tensor
 from tightfit.optim import quant8, state_io
 
 if TYPE_CHECKING:
@@ -44,7 +51,8 @@ def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any)
     if isinstance(entry.get(_BNB_WRAPPED), dict):  # a bitsandbytes 8-bit optimizer's state dict
         entry.update(entry.pop(_BNB_WRAPPED))
     n = len(opt.torch_names)
-    eight = quant8.is_8bit(p.numel(), opt._min_8bit_size)
+    eight = quant8.is_8bit(p.numel(), opt._min_8bit_size)  # global size, as the layout decides
+    numel = local_tensor(p).numel()  # what the pages hold (the whole param unless a DTensor)
     if "state1" in entry:
         fmt, names = "native", [f"state{i}" for i in range(1, n + 1)]
     elif all(t in entry for t in opt.torch_names):
@@ -55,13 +63,21 @@ def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any)
             f"native keys (state1, absmax1, ...) or torch's {list(opt.torch_names)}"
         )
     want = torch.uint8 if (fmt == "native" and eight) else None
+    if fmt == "native" and any(is_dtensor(v) for v in entry.values()):
+        raise ValueError(
+            f"state of param {key} holds DTensor 8-bit codes/absmax, which cannot be resharded; "
+            f"load the torch format ({type(opt).__name__}.state_dict() under FSDP2 writes it)"
+        )
     for name in names:
         t = entry.get(name)
-        if not isinstance(t, torch.Tensor) or t.numel() != p.numel():
+        if fmt == "torch" and is_dtensor(t):
+            # DCP resharded it to this rank: the local shard (placements and shape checked)
+            t = entry[name] = local_state(t, p)
+        if not isinstance(t, torch.Tensor) or t.numel() != numel:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"state {name!r} of param {key} has shape {shape} but the param has shape "
-                f"{tuple(p.shape)}; the state dict is for another parameter layout"
+                f"{tuple(local_tensor(p).shape)}; the state dict is for another parameter layout"
             )
         if fmt == "native" and (t.dtype == torch.uint8) != (want == torch.uint8):
             raise ValueError(
@@ -72,9 +88,9 @@ def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any)
     if fmt == "native" and eight:
         for i in range(1, n + 1):
             a = entry.get(f"absmax{i}")
-            if not isinstance(a, torch.Tensor) or a.numel() != quant8.blocks(p.numel()):
+            if not isinstance(a, torch.Tensor) or a.numel() != quant8.blocks(numel):
                 raise ValueError(
-                    f"state of param {key} needs absmax{i} with {quant8.blocks(p.numel())} "
+                    f"state of param {key} needs absmax{i} with {quant8.blocks(numel)} "
                     "values (one per 256 elements); the state dict is for another layout"
                 )
     return fmt

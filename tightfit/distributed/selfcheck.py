@@ -38,7 +38,7 @@ class CheckOptions:
 
     out: str
     strategy: Literal["fsdp", "ddp"] = "fsdp"
-    optim: Literal["paged", "torch"] = "paged"
+    optim: Literal["paged", "paged8bit", "torch"] = "paged"
     steps: int = 6
     save_at: int = 3
     batch: int = 4  # global batch (rows); must divide by the number of ranks
@@ -77,12 +77,17 @@ def make_optimizer(opts: CheckOptions, model: nn.Module, rank: int) -> torch.opt
     if opts.optim == "torch":
         return torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
     from tightfit.optim.adamw import PagedAdamW
+    from tightfit.optim.adamw8bit import PagedAdamW8bit
 
-    return PagedAdamW(
-        model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay,
-        page_bytes=opts.page_bytes, device_budget=opts.device_budget,
-        spill_dir=os.path.join(opts.out, f"spill-rank{rank}"),
-    )  # fmt: skip
+    paging = {"page_bytes": opts.page_bytes, "device_budget": opts.device_budget,
+              "spill_dir": os.path.join(opts.out, f"spill-rank{rank}")}  # fmt: skip
+    if opts.optim == "paged8bit":
+        # min_8bit_size=256: the tiny model's params (at most 2,144 elements) take 8-bit state.
+        # 8-bit differs from the fp32 reference by its quantization (pass a looser --tol), and
+        # FSDP2's uneven shards cut the 256-element blocks differently from one process.
+        return PagedAdamW8bit(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay,
+                              min_8bit_size=256, **paging)  # fmt: skip
+    return PagedAdamW(model.parameters(), lr=opts.lr, weight_decay=opts.weight_decay, **paging)
 
 
 def train(opts, model, optimizer, info, start: int, stop: int) -> None:

@@ -2,8 +2,8 @@
 
 Why: torch's CPU fused kernels (``_fused_adamw_`` …) run one parallel section per tensor they
 are given. With each page in its own buffer, a 50M-param step hands the kernel ~48 page views
-and, on 2 threads, pays for ~48 thread fork/joins and the imbalance of each: 1.05–1.2 × one
-call (benchmarks/results/optimizer_pagesize.md). In a slab, ``exp_avg`` of every page of a run
+and, on 2 threads, pays for ~48 thread fork/joins and the imbalance of each: up to 1.33 × one
+call at 4 MiB pages, 1.17 × at 8 MiB (benchmarks/results/optimizer_pagesize.md). In a slab, ``exp_avg`` of every page of a run
 is one array (likewise ``exp_avg_sq``, codes, absmax), page after page, so the state of a param
 split over resident pages is one contiguous view and the sweep calls the kernel once per param,
 as torch does (see ``PagedOptimizer._update_pages``).

@@ -82,3 +82,16 @@ def test_paged_optimizer_state_is_seen_in_either_page_format(monkeypatch, slabs)
         assert mt.current_bytes >= 100_000 * 8  # exp_avg + exp_avg_sq
         opt.close()
         assert mt.current_bytes <= 8  # the step counter may outlive close()
+
+
+def test_tensors_made_under_not_counted_are_left_out(tmp_path) -> None:
+    from tightfit.memory.tracker import not_counted
+
+    path = tmp_path / "f.bin"
+    with MemoryTracker("cpu") as mt:
+        with not_counted():
+            mapped = torch.from_file(str(path), shared=True, size=1 << 20, dtype=torch.uint8)
+        assert mt.current_bytes == 0  # a file mapping: disk, not memory a step allocates
+        kept = torch.ones(1000)
+        assert mt.current_bytes == 4000  # counting resumes after the block
+    del mapped, kept

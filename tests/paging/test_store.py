@@ -151,8 +151,8 @@ def test_clean_pages_leave_the_device_without_a_write() -> None:
 
 
 def test_measured_allocations_stay_within_the_budget() -> None:
-    """Live tensor bytes counted by MemoryTracker: the budget, the step counters and the
-    spill-file mapping (disk-backed, mapped whole), nothing else — no hidden temporaries."""
+    """Live tensor bytes counted by MemoryTracker: the budget and the step counters, nothing
+    else — no hidden temporaries (the spill-file mapping is the disk tier, not counted)."""
     from tightfit.memory.tracker import MemoryTracker
 
     params = [torch.randn(200_000), torch.randn(50_000)]
@@ -163,10 +163,10 @@ def test_measured_allocations_stay_within_the_budget() -> None:
         opt = PagedAdamW(params, page_bytes=PAGE, device_budget=budget)
         for _ in range(3):
             opt.step()
-    spill_mapping = opt.memory_stats()["state_bytes"]  # one group: its file covers every page
     # every device byte is seen (CPU slabs announce their pages to the tracker), nothing more
     # than the budget and the two 4-byte step counters
     device = opt.memory_stats()["device_bytes"]
-    assert device <= tracker.peak_bytes - spill_mapping <= budget + 4 * len(params)
+    assert opt.memory_stats()["disk_bytes"] > 0  # the spill file is in use
+    assert device <= tracker.peak_bytes <= budget + 4 * len(params)
     assert opt.memory_stats()["peak_device_bytes"] <= budget
     opt.close()

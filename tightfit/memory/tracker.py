@@ -17,9 +17,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,21 @@ def external_freed(key: object) -> None:
         counter.drop_external(key)
 
 
+_UNCOUNTED = threading.local()
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """Tensors made inside (in this thread) are not counted by CPU trackers: for storages
+    that are not RAM, such as a file mapping (tightfit's spill files are the disk tier)."""
+    depth = getattr(_UNCOUNTED, "depth", 0)
+    _UNCOUNTED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _UNCOUNTED.depth = depth
+
+
 class _StorageCounter(TorchDispatchMode):
     """Counts bytes of CPU storages allocated while the mode is active and still alive."""
 
@@ -98,6 +115,8 @@ class _StorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if getattr(_UNCOUNTED, "depth", 0):
+            return out
         inputs = {
             id(t.untyped_storage())
             for t in tree_leaves((args, kwargs))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tightfit.memory import tracker
+
 
 def check_spill_dir(spill_dir: str | os.PathLike | None) -> None:
     """Raise ``ValueError`` now if ``spill_dir`` cannot hold spill files (nothing is kept)."""
@@ -95,7 +97,12 @@ class SpillArea:
                 self._folder = tempfile.mkdtemp(prefix="tightfit-spill-", dir=self._parent)
             path = os.path.join(self._folder, f"group{group}.spill")
             # MAP_SHARED over a sparse file: untouched pages cost no disk and read as zeros.
-            mapped = torch.from_file(path, shared=True, size=self._sizes[group], dtype=torch.uint8)
+            # Not counted by MemoryTracker: it is the disk tier (its touched pages are page
+            # cache, which release() hands back), not memory a step allocates.
+            with tracker.not_counted():
+                mapped = torch.from_file(
+                    path, shared=True, size=self._sizes[group], dtype=torch.uint8
+                )
             self._maps[group] = mapped
         return mapped[offset : offset + nbytes]
 

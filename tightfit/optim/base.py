@@ -128,8 +128,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Update params and state in place; lists are parallel flat views, ``steps`` holds
         each param's step count *after* this step's increment (shared between a param's
-        segments, so never modify them). The lists themselves are reused across steps
-        (``tightfit.optim.views``): read them, never append to or reorder them."""
+        segments, so never modify them). A view may span several pages of one param (joined
+        when they lie back to back in a slab; capped by ``_view_limit``). The lists themselves
+        are reused across steps (``tightfit.optim.views``): never append to or reorder them."""
         raise NotImplementedError
 
     def _export_segment(

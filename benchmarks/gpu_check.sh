@@ -50,6 +50,12 @@ if [ "${NGPU:-0}" -ge 2 ]; then
     --device cuda --out "$DIST_OUT/fsdp" 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
   timeout 90 "$PY" -m tightfit.distributed.selfcheck --strategy fsdp --device cuda \
     --out "$DIST_OUT/fsdp" --resume-only 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+  section "distributed: FSDP2 on 2 GPUs with PagedAdamW8bit (bitsandbytes' CUDA kernel)"
+  # 8-bit vs the fp32 reference differs by quantization: the CPU run's max abs diff was 8.2e-4
+  timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+    --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy fsdp \
+    --optim paged8bit --tol 3e-3 --device cuda --out "$DIST_OUT/fsdp8" 2>&1 | tee -a "$LOG" \
+    | grep "selfcheck" || status=1
   section "distributed: DDP on 2 GPUs"
   timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy ddp \

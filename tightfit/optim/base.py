@@ -264,26 +264,22 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pending_step = None
 
     def _update_pages(self, items: list[tuple[Page, dict[str, torch.Tensor]]]) -> None:
-        buckets: dict[tuple[int, torch.dtype, tuple], list[tuple[Page, dict]]] = {}
-        for page, arrays in items:  # one bucket per group, param dtype and layout
-            buckets.setdefault((page.group, page.dtype, tuple(page.arrays)), []).append(
-                (page, arrays)
-            )
-        for (gi, dtype, _layout), bucket in buckets.items():
-            group = self.param_groups[gi]
-            lists = views.bucket_lists(
-                self.state, group["params"], bucket, self._view_limit, self._store.view_cache
-            )
-            if lists is None:
-                continue
-            params, grads, states, steps = lists
-            if dtype in _LOW_PRECISION:
-                # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
-                p32 = [p.float() for p in params]
-                self._update(group, p32, [g.float() for g in grads], states, steps)
-                torch._foreach_copy_(params, p32)
-            else:
-                self._update(group, params, grads, states, steps)
+        # The sweep calls this once per layout (one group, param dtype and state arrays).
+        first = items[0][0]
+        group = self.param_groups[first.group]
+        lists = views.bucket_lists(
+            self.state, group["params"], items, self._view_limit, self._store.view_cache
+        )
+        if lists is None:
+            return
+        params, grads, states, steps = lists
+        if first.dtype in _LOW_PRECISION:
+            # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
+            p32 = [p.float() for p in params]
+            self._update(group, p32, [g.float() for g in grads], states, steps)
+            torch._foreach_copy_(params, p32)
+        else:
+            self._update(group, params, grads, states, steps)
 
     # ------------------------------------------------------------------ state dicts, files
     def state_dict(self) -> dict[str, Any]:
@@ -393,4 +389,3 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

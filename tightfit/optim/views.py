@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from tightfit.distributed.dtensor import local_flat
+from tightfit.distributed.dtensor import is_dtensor, local_flat
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import Page
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # DTensor params are not cached
 _MAX_ENTRIES = 64  # resident batches per step are few (one per layout, or one per streamed page)
 
 Lists = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, list[torch.Tensor]], list]
@@ -70,7 +69,7 @@ def bucket_lists(
         steps.append(state[p]["step"])
         for name, view in arrays.items():
             states[name].append(view)
-    if key is not None and all(type(p) in _PLAIN for p, *_ in runs):
+    if key is not None and not any(is_dtensor(p) for p, *_ in runs):  # DTensors: not cached
         if len(cache) >= _MAX_ENTRIES:
             cache.clear()
         meta = [(p, a, b) for p, a, b, _ in runs]

@@ -292,13 +292,11 @@ class PageStore:
         return page.buf if page.buf is not None else self.home(page)
 
     def arrays(self, page: Page) -> dict[str, torch.Tensor]:
-        """Typed flat views of each state array of a page, wherever it is (not "new").
+        """Typed flat views of each state array of a page in memory (device or host tier).
 
-        The views of a device-tier page are made once and reused (until the page moves), so
-        :meth:`Page.segment_views` can cache the per-segment views built on them.
+        They are made once and reused until the page moves, so :meth:`Page.segment_views` can
+        cache the per-segment views built on them.
         """
-        if page.tier == "disk":
-            return page.array_views(self.home(page))
         cached = page._arrays
         if cached is None:
             slab = self._slabs.get(page.index) if page.tier == "device" else None

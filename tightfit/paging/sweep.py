@@ -27,8 +27,9 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         store: the page store (residency, window slots, copy engine, counters).
         pages: the pages holding state of params that have a gradient this step.
         step_id: id of the step; pages already marked with it are skipped.
-        update: called with ``(page, arrays)`` pairs whose arrays (state name -> flat typed
-            view) are on the device; it updates params and state in place.
+        update: called with ``(page, arrays)`` pairs of one layout (group, param dtype and
+            state arrays) whose arrays (state name -> flat typed view) are on the device; it
+            updates params and state in place.
     """
     todo = [p for p in pages if p.updated_step != step_id]
     resident = [p for p in todo if p.tier == "device"]

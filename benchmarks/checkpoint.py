@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import tightfit.checkpoint as ck
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 MIB = 1024 * 1024
 OUT = Path(__file__).parent / "results" / "checkpoint.md"

@@ -6,7 +6,7 @@
     + ``prepare_model_for_kbit_training`` + HF gradient checkpointing (every layer,
     non-reentrant) + peft LoRA (same r, alpha, targets) + ``torch.optim.AdamW``.
 
-Peak memory is measured the same way for both with ``tightfit.memory.MemoryTracker`` from
+Peak memory is measured the same way for both with ``tightfit.measure.tracker.MemoryTracker`` from
 before the model is loaded: the peak of live tensor bytes during training steps (weights,
 quantization constants, adapters, optimizer state and the step's transient activations and
 gradients). On the CPU those are live storage bytes (RSS would mix in allocator caching and
@@ -32,7 +32,7 @@ from environment import cpu_model, load_text, versions_text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tightfit  # noqa: E402
-from tightfit.memory.tracker import MemoryTracker  # noqa: E402
+from tightfit.measure.tracker import MemoryTracker  # noqa: E402
 
 MiB = 1 << 20
 

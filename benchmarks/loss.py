@@ -35,7 +35,7 @@ from environment import cpu_model, load_text, versions_text
 from torch import nn
 
 from tightfit.loss import auto_chunk_tokens, chunked_cross_entropy, predict_head_loss_bytes
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 RESULTS = Path(__file__).parent / "results" / "loss.md"
 MIB = 2**20

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from environment import cpu_model, load_text, versions_text
 
-from tightfit.memory.activations import plan_peak, policy_segments
-from tightfit.memory.estimate import TrainSetup
-from tightfit.memory.plan_verify import compare
-from tightfit.memory.presets import ModelShape
+from tightfit.planner.activations import plan_peak, policy_segments
+from tightfit.planner.presets import ModelShape
+from tightfit.planner.setup import TrainSetup
+from tightfit.planner.verify import compare
 
 GQA = ModelShape("h128-i352-L3-gqa2", 128, 352, 3, 4, 2, 1000)
 TIED = ModelShape("h96-i256-L4-gqa3-tied", 96, 256, 4, 3, 1, 2048, tie_embeddings=True)

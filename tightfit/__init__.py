@@ -13,15 +13,15 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "MemoryTracker": "tightfit.memory.tracker",
-    "plan": "tightfit.memory.plan",
-    "PlanReport": "tightfit.memory.plan",
+    "MemoryTracker": "tightfit.measure.tracker",
+    "plan": "tightfit.planner.ladder",
+    "PlanReport": "tightfit.planner.ladder",
     "prepare": "tightfit.qlora.prepare",
-    "optimizer_for": "tightfit.qlora.optimizer",
+    "optimizer_for": "tightfit.optim.registry",
     "PrepareOptions": "tightfit.qlora.options",
     "LoraOptions": "tightfit.qlora.options",
-    "MemoryReport": "tightfit.memory.report",
-    "measure_report": "tightfit.memory.report",
+    "MemoryReport": "tightfit.report.report",
+    "measure_report": "tightfit.report.report",
     "chunked_cross_entropy": "tightfit.loss",
     "enable_chunked_loss": "tightfit.loss",
     "disable_chunked_loss": "tightfit.loss",
@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "CudaProbe": "tightfit.paging.probes",
     "RSSProbe": "tightfit.paging.probes",
     "FakeProbe": "tightfit.paging.probes",
-    "PressureWatch": "tightfit.paging.pressure",
+    "PressureWatch": "tightfit.paging.watch",
     "OccupancyControl": "tightfit.paging.occupancy",
 }
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 _COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "tightfit.optim.demo", "short paged-optimizer demonstration (prints what was paged)"),
     ("train", "tightfit.train.cli", "fine-tune with the whole QLoRA memory stack; measured report"),
-    ("plan", "tightfit.memory.plan_cli", "will this fine-tune fit? predicted bytes per piece, a recommended setup"),
+    ("plan", "tightfit.planner.cli", "will this fine-tune fit? predicted bytes per piece, a recommended setup"),
 ]
 
 

@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import tightfit.checkpoint as ck
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 from .conftest import loss_and_grads, tiny_llama
 
@@ -208,8 +208,8 @@ def test_hooks_that_edit_inputs_or_outputs_act_once(policy: str) -> None:
 
 
 def test_pressure_watch_sees_the_recompute_in_backward() -> None:
-    from tightfit.paging.pressure import PressureWatch
     from tightfit.paging.probes import FakeProbe
+    from tightfit.paging.watch import PressureWatch
 
     class Chain(torch.nn.Module):
         def __init__(self) -> None:

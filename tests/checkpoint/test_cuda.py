@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tightfit.checkpoint as ck
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 from .conftest import loss_and_grads, tiny_llama
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tightfit.checkpoint as ck
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 from .chains import ComputeHeavy, MemoryHeavy, SavesOne
 

@@ -7,7 +7,7 @@ import torch
 
 import tightfit.checkpoint as ck
 from tightfit.checkpoint.solver import make_plan, min_peak
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 from .conftest import tiny_llama
 

@@ -23,8 +23,8 @@ import torch
 
 import tightfit.checkpoint as ck
 from tightfit.distributed import launch, selfcheck
-from tightfit.distributed.dtensor import is_dtensor
-from tightfit.distributed.training import TrainJob
+from tightfit.optim.dtensor import is_dtensor
+from tightfit.train.job import TrainJob
 
 
 def _run(opts: selfcheck.CheckOptions, policy: str, info: launch.DistInfo) -> dict:

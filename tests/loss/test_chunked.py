@@ -225,7 +225,7 @@ def test_bad_shapes_and_head_are_named():
 
 @pytest.mark.cuda
 def test_cuda_bf16_matches_hf_and_holds_less():
-    from tightfit.memory.tracker import MemoryTracker
+    from tightfit.measure.tracker import MemoryTracker
 
     n_vocab, hidden_size, seq = 32_000, 256, 1024
     head = nn.Linear(hidden_size, n_vocab, bias=False, device="cuda", dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ from tightfit.loss import (
     head_kind_of,
     predict_head_loss_bytes,
 )
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 T, H, V = 128, 32, 4096  # logits dominate, as they do at real sizes
 

@@ -331,7 +331,7 @@ def test_torch_backend_is_budget_invariant_and_close_to_bitsandbytes() -> None:
 
 
 def test_torch_backend_transient_memory_is_per_chunk_not_per_state() -> None:
-    from tightfit.memory.tracker import MemoryTracker
+    from tightfit.measure.tracker import MemoryTracker
 
     peaks = []
     for n_params in (4, 16):

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.occupancy import OccupancyControl
-from tightfit.paging.pressure import PressureWatch
 from tightfit.paging.probes import FakeProbe
+from tightfit.paging.watch import PressureWatch
 
 D, LAYERS, SHORT, LONG, EVERY, STEPS = 128, 8, 8, 512, 3, 7
 PAGE = 64 << 10

@@ -153,7 +153,7 @@ def test_clean_pages_leave_the_device_without_a_write() -> None:
 def test_measured_allocations_stay_within_the_budget() -> None:
     """Live tensor bytes counted by MemoryTracker: the budget and the step counters, nothing
     else — no hidden temporaries (the spill-file mapping is the disk tier, not counted)."""
-    from tightfit.memory.tracker import MemoryTracker
+    from tightfit.measure.tracker import MemoryTracker
 
     params = [torch.randn(200_000), torch.randn(50_000)]
     for p in params:

@@ -144,7 +144,7 @@ def test_optimizer_for_kinds_and_default_betas(kind: str, betas: tuple[float, fl
 
 @pytest.mark.cuda
 def test_prepare_quantizes_and_trains_on_cuda() -> None:
-    from tightfit.memory.report import measure_report
+    from tightfit.report.report import measure_report
 
     x = torch.randint(0, 128, (2, 32), device="cuda")
     batch = {"input_ids": x, "labels": x}

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tightfit.cli import main
-from tightfit.qlora.optimizer import OptimizerOptions
+from tightfit.optim.registry import OptimizerOptions
 from tightfit.qlora.options import LoraOptions
-from tightfit.train import checkpointing as ck
+from tightfit.train import resume as ck
 from tightfit.train.loop import RunConfig, TrainOptions, train
 
 

@@ -7,8 +7,9 @@
 
 from tightfit.checkpoint.api import disable, enable, pareto
 from tightfit.checkpoint.blocks import find_blocks
+from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.plan import POLICIES, Plan, Segment
-from tightfit.checkpoint.profile import BlockCost, Profile, profile
+from tightfit.checkpoint.profile import profile
 
 __all__ = ["POLICIES", "BlockCost", "Plan", "Profile", "Segment", "disable", "enable",
            "find_blocks", "pareto", "profile"]

@@ -10,8 +10,9 @@ from torch import nn
 
 from tightfit.checkpoint import apply
 from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.plan import Plan, parse_policy, structural_segments
-from tightfit.checkpoint.profile import Profile, profile
+from tightfit.checkpoint.profile import profile
 from tightfit.checkpoint.solver import frontier, make_plan
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.plan import Segment, SegmentKind
-from tightfit.checkpoint.profile import Profile
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from tightfit.checkpoint.profile import Profile
+from tightfit.checkpoint.chain import Profile
 
 SegmentKind = Literal["stored", "checkpoint", "selective"]
 PolicyName = Literal["none", "every", "sqrt", "uniform", "budget", "selective"]

@@ -2,7 +2,7 @@
 
 One training step is run twice without any checkpointing:
 
-* a **memory pass** under :class:`~tightfit.memory.tracker.MemoryTracker` with a phase mark at
+* a **memory pass** under :class:`~tightfit.measure.tracker.MemoryTracker` with a phase mark at
   every block boundary in forward and backward (backward boundaries are gradient hooks on the
   blocks' outputs). A saved-tensors hook attributes every storage saved for backward to the
   block (or the prefix, or the tail after the chain) that first saved it — the exact bytes
@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,68 +28,9 @@ from torch.utils._pytree import tree_leaves
 
 from tightfit.checkpoint import apply
 from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.selective import SAVED_OPS
-from tightfit.memory.tracker import MemoryTracker
-
-
-@dataclass(frozen=True)
-class BlockCost:
-    """What one block costs in a step without checkpointing (bytes are above step start).
-
-    Attributes:
-        input_bytes: The block's input (the hidden state the chain carries).
-        saved_bytes: Storages it saves for backward that nothing before it saved (its input
-            included when it saves it) — what checkpointing it drops.
-        saves_input: Whether the block itself saves its input.
-        saved_tensors: How many tensors (weights included) it saves for backward. A
-            checkpoint of blocks that save none keeps nothing and is never recomputed.
-        selective_bytes: What a selective checkpoint keeps: every output of a matmul or
-            attention op in the block (torch caches them all, saved for backward or not).
-        selective_unsaved_bytes: The part of ``selective_bytes`` autograd would not save.
-        forward_s: Forward time — the cost of recomputing the block.
-        selective_forward_s: Time of the ops a selective checkpoint does not recompute
-            (``forward_s`` times those ops' share of the block's op time).
-        fwd_start_bytes / fwd_peak_bytes: Live bytes when its forward starts / at its peak.
-        bwd_start_bytes / bwd_peak_bytes: The same for its backward.
-    """
-
-    input_bytes: int
-    saved_bytes: int
-    saves_input: bool
-    saved_tensors: int
-    selective_bytes: int
-    selective_unsaved_bytes: int
-    forward_s: float
-    selective_forward_s: float
-    fwd_start_bytes: int
-    fwd_peak_bytes: int
-    bwd_start_bytes: int
-    bwd_peak_bytes: int
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Measurements of one step of ``model`` on one example batch, without checkpointing.
-
-    Attributes:
-        blocks: One :class:`BlockCost` per block, in forward order.
-        prefix_peak_bytes: Peak before the first block (embeddings, masks, rotary tables).
-        tail_peak_bytes: Peak from the last block's output to the loss and back (head + loss).
-        tail_saved_bytes: Bytes the tail saves for backward.
-        tail_forward_s: Forward time of the tail.
-        step_s: Forward + backward time of the step.
-        peak_bytes: Measured peak of the whole step.
-        device: Where it was measured.
-    """
-
-    blocks: tuple[BlockCost, ...]
-    prefix_peak_bytes: int
-    tail_peak_bytes: int
-    tail_saved_bytes: int
-    tail_forward_s: float
-    step_s: float
-    peak_bytes: int
-    device: str
+from tightfit.measure.tracker import MemoryTracker
 
 
 class _OpRecorder(TorchDispatchMode):

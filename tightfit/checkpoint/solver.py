@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
+from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.cost import SegmentCost, predict, segment_cost
 from tightfit.checkpoint.plan import Plan, Segment, parse_policy, structural_segments
-from tightfit.checkpoint.profile import Profile
 
 _MIB = 1024 * 1024
 _FRONT_CAP = 512  # per boundary; far above what chains of a few hundred blocks produce

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
-from tightfit.distributed.dtensor import local_tensor
 from tightfit.distributed.parallelize import shard_model
+from tightfit.optim.dtensor import local_tensor
 
 
 @dataclass

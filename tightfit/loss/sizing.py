@@ -4,7 +4,7 @@ The head+loss is the last segment of the layer chain (see ``tightfit/checkpoint`
 predictions let the checkpoint planner and the fit planner count it like any other segment.
 All figures are bytes allocated *by* the head and loss during one forward+backward, above
 the hidden states and the head's weights that exist anyway, measured per
-``tightfit.memory.tracker.MemoryTracker`` (tests compare prediction and measurement).
+``tightfit.measure.tracker.MemoryTracker`` (tests compare prediction and measurement).
 
 Where the bytes are, per token and per vocabulary entry (``d`` = bytes of the logits dtype):
 

@@ -23,15 +23,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import local_tensor
 from tightfit.optim import checks, state_io, views
+from tightfit.optim.dtensor import local_tensor
 from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
-from tightfit.paging.pressure import PressureWatch
 from tightfit.paging.probes import Probe
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
+from tightfit.paging.watch import PressureWatch
 
 # 8 MiB: a few MiB, as the budget granularity and the 2-page streaming window want. Kernel
 # cost no longer depends on it on the CPU (slabs join resident pages into one view per param;
@@ -340,7 +340,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
         Uses the optimizer's target (on CUDA, 0.9 of the device when none was set; on the CPU
         set one first: ``target=`` or :meth:`set_pressure`). See
-        :class:`~tightfit.paging.pressure.PressureWatch`; ``.remove()`` uninstalls it.
+        :class:`~tightfit.paging.watch.PressureWatch`; ``.remove()`` uninstalls it.
         """
         self._check_open()
         if self._pressure is None:

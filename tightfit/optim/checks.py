@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tightfit.distributed.dtensor import check_param, local_tensor
-from tightfit.paging.tiers import check_spill_dir
+from tightfit.optim.dtensor import check_param, local_tensor
+from tightfit.tiers.spill import check_spill_dir
 
 
 def _check_bytes(name: str, value: Any, page_bytes: int) -> None:

@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.distributed.dtensor import is_dtensor, like_param, local_tensor
 from tightfit.optim import checks, quant8
 from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim.dtensor import is_dtensor, like_param, local_tensor
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.probes import Probe
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tightfit.distributed.dtensor import is_dtensor, local_state, local_tensor
 from tightfit.optim import quant8, state_io
+from tightfit.optim.dtensor import is_dtensor, local_state, local_tensor
 
 if TYPE_CHECKING:
     from tightfit.optim.paged8bit import Paged8bitOptimizer

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tightfit.distributed.dtensor import is_dtensor, like_param, local_state, local_tensor
+from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
 
 if TYPE_CHECKING:
     from tightfit.optim.base import PagedOptimizer

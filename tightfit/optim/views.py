@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tightfit.distributed.dtensor import is_dtensor, local_flat
+from tightfit.optim.dtensor import is_dtensor, local_flat
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import Page
 

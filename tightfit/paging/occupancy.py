@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tightfit.paging.pressure import PressureWatch, resolve_target
 from tightfit.paging.probes import CudaProbe, Probe, RSSProbe
 from tightfit.paging.store import PageStore
+from tightfit.paging.watch import PressureWatch, resolve_target
 
 __all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "recover_from_oom"]
 
@@ -70,7 +70,7 @@ class OccupancyControl:
             model pages also leave the watch's margin free for the next forward.
 
     Raises:
-        ValueError/TypeError: see :func:`~tightfit.paging.pressure.resolve_target`; a negative
+        ValueError/TypeError: see :func:`~tightfit.paging.watch.resolve_target`; a negative
             ``restore_margin_bytes``.
     """
 
@@ -201,7 +201,7 @@ class OccupancyControl:
     ) -> PressureWatch:
         """Hook ``model``'s blocks so pages drain before a spike passes the target.
 
-        See :class:`~tightfit.paging.pressure.PressureWatch` for the arguments. Returns the
+        See :class:`~tightfit.paging.watch.PressureWatch` for the arguments. Returns the
         watch; ``watch.remove()`` uninstalls it.
         """
         w = PressureWatch(

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from tightfit.memory import tracker
+from tightfit.measure import tracker
 from tightfit.paging.events import EventLog
 from tightfit.paging.layout import Page
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
-from tightfit.paging.tiers import CopyEngine, CudaCopyEngine, SpillArea
+from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
+from tightfit.tiers.spill import SpillArea
 
 WINDOW_SLOTS = 2  # current page + one being prefetched
 

@@ -15,8 +15,8 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from tightfit.memory.sizes import parse_bytes
-from tightfit.qlora.optimizer import OptimizerOptions
+from tightfit.measure.sizes import parse_bytes
+from tightfit.optim.registry import OptimizerOptions
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.train.loop import RunConfig, TrainOptions
 

@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from tightfit.distributed.training import TrainJob
-from tightfit.memory.report import MemoryReport, measure_report
-from tightfit.memory.tracker import MemoryTracker
-from tightfit.qlora.optimizer import OptimizerOptions, optimizer_for
+from tightfit.measure.tracker import MemoryTracker
+from tightfit.optim.registry import OptimizerOptions, optimizer_for
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.qlora.prepare import load_causal_lm, prepare
-from tightfit.train import checkpointing as ck
+from tightfit.report.report import MemoryReport, measure_report
 from tightfit.train import data as data_mod
 from tightfit.train import model as builtin
-from tightfit.train.plots import plot_loss, plot_timeline
+from tightfit.train import resume as ck
+from tightfit.train.job import TrainJob
+from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
 
 
 @dataclass(frozen=True)
@@ -332,7 +332,6 @@ def train(
         files["loss_png"] = plot_loss(history, out / "loss_curve.png")
         files["timeline_png"] = plot_timeline(history, out / "memory_timeline.png", events)
         if job.distributed:
-            from tightfit.distributed.plots import plot_ranks
 
             files["ranks_png"] = plot_ranks(history, out / "memory_ranks.png")
         if last_ckpt is not None:

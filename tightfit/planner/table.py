@@ -1,14 +1,74 @@
-"""Render a :class:`~tightfit.memory.plan.PlanReport` as the table ``tightfit plan`` prints."""
+"""The ladder's answer (:class:`PlanReport`, one :class:`Row` per configuration) and the table
+``tightfit plan`` prints of it."""
 
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
-from tightfit.memory.sizes import format_bytes
+from tightfit.measure.sizes import format_bytes
+from tightfit.planner.estimate import Estimate, Overhead
+from tightfit.planner.presets import ModelShape
+from tightfit.planner.setup import TrainSetup
 
-if TYPE_CHECKING:
-    from tightfit.memory.plan import PlanReport
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the plan."""
+
+    name: str
+    setup: TrainSetup
+    estimate: Estimate
+    fits: bool
+    slowdown: float
+    paging_bytes_per_step: int
+    train_args: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "name": self.name,
+            "fits": self.fits,
+            "total_bytes": e.total,
+            "pieces_bytes": e.pieces(),
+            "optimizer_offloaded_bytes": e.optimizer_offloaded,
+            "paging_bytes_per_step": self.paging_bytes_per_step,
+            "slowdown": round(self.slowdown, 3),
+            "recompute_fraction": round(e.recompute_fraction, 4),
+            "checkpoint_segments": [list(s) for s in e.segments],
+            "setup": {k: (list(v) if isinstance(v, tuple) else v)
+                      for k, v in vars(self.setup).items()},
+            "train_args": list(self.train_args),
+        }
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The answer of :func:`plan`: every configuration, and the one to use."""
+
+    shape: ModelShape
+    gpu_bytes: int
+    overhead: Overhead
+    rows: tuple[Row, ...]
+    recommended: Row | None
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": vars(self.shape),
+            "params": self.shape.num_params(),
+            "gpu_bytes": self.gpu_bytes,
+            "overhead": {"fixed_bytes": self.overhead.fixed_bytes,
+                         "fraction": self.overhead.fraction},
+            "rows": [r.to_dict() for r in self.rows],
+            "recommended": None if self.recommended is None else self.recommended.name,
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        return render(self)
+
 
 _COLUMNS = (
     ("weights", "weights"),

@@ -2,7 +2,7 @@
 
 Every figure here is counted from tensors that exist (``nbytes`` of the packed 4-bit weights,
 of the absmax constants and their nested quantization, of the LoRA parameters and their
-gradients) or measured with :class:`~tightfit.memory.tracker.MemoryTracker` on a real batch.
+gradients) or measured with :class:`~tightfit.measure.tracker.MemoryTracker` on a real batch.
 The "without" side of a piece is the same tensors in their unreduced form: bf16 weights of the
 same shapes, the fp32 absmax that double quantization replaced (dequantized back from the
 nested constants), every parameter trainable, no checkpointing.
@@ -19,7 +19,7 @@ import bitsandbytes.functional as bnbF
 import torch
 from torch import nn
 
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.qlora.quantize import linear4bit_layers
 
 BF16_BYTES = 2

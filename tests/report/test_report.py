@@ -14,9 +14,9 @@ import tightfit
 from tightfit.checkpoint import apply as ckpt_apply
 from tightfit.checkpoint.blocks import resolve_blocks
 from tightfit.loss import disable_chunked_loss, enable_chunked_loss
-from tightfit.memory.pieces import constant_bytes
-from tightfit.memory.report import measure_report
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
+from tightfit.report.pieces import constant_bytes
+from tightfit.report.report import measure_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -11,16 +11,11 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from tightfit.memory.activations import plan_peak, policy_segments
-from tightfit.memory.estimate import (
-    Overhead,
-    TrainSetup,
-    estimate,
-    nf4_constant_bytes,
-    optimizer_state_bytes,
-)
-from tightfit.memory.plan_verify import compare, relative_error
-from tightfit.memory.presets import ModelShape
+from tightfit.planner.activations import plan_peak, policy_segments
+from tightfit.planner.estimate import Overhead, estimate, nf4_constant_bytes, optimizer_state_bytes
+from tightfit.planner.presets import ModelShape
+from tightfit.planner.setup import TrainSetup
+from tightfit.planner.verify import compare, relative_error
 
 # three shapes: GQA 2:1, GQA 3:1 with a tied head, plain MHA with a wide MLP and head_dim 32
 SHAPES = [

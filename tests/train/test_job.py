@@ -12,7 +12,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tightfit.distributed.launch import run_torchrun
-from tightfit.distributed.training import TrainJob
+from tightfit.train.job import TrainJob
 
 
 def _unavailable() -> str | None:

@@ -1,12 +1,12 @@
 """The ``tightfit train`` options that select a planned configuration.
 
 The flag names are those ``tightfit train`` generates from its option dataclasses
-(:mod:`tightfit.qlora.options`, :mod:`tightfit.qlora.optimizer`, :mod:`tightfit.train.loop`).
+(:mod:`tightfit.qlora.options`, :mod:`tightfit.optim.registry`, :mod:`tightfit.train.loop`).
 """
 
 from __future__ import annotations
 
-from tightfit.memory.estimate import ALL_LINEAR, DTYPE_NAMES, TrainSetup
+from tightfit.planner.setup import ALL_LINEAR, DTYPE_NAMES, TrainSetup
 
 _OPTIMIZER_FLAG = {
     "adamw": "adamw",

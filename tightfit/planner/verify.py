@@ -2,7 +2,7 @@
 
 ``tightfit plan --verify`` and the tests build a small Llama-architecture model from its
 shape (random weights, nothing downloaded), stack the pieces a :class:`TrainSetup` names,
-run forward + backward + optimizer step under :class:`~tightfit.memory.MemoryTracker`, and
+run forward + backward + optimizer step under :class:`~tightfit.measure.tracker.MemoryTracker`, and
 count tensors:
 
 * weights / constants / LoRA — bytes of the storages of the base weights, of the
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tightfit.memory.activations import Segment, head_loss_bytes, policy_segments
-from tightfit.memory.estimate import DTYPE_NAMES, Overhead, TrainSetup, estimate, torch_dtype
-from tightfit.memory.presets import ModelShape
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
+from tightfit.planner.activations import Segment, head_loss_bytes, policy_segments
+from tightfit.planner.estimate import Overhead, estimate
+from tightfit.planner.presets import ModelShape
+from tightfit.planner.setup import DTYPE_NAMES, TrainSetup, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def _optimizer(model: nn.Module, setup: TrainSetup) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    from tightfit.qlora.optimizer import optimizer_for
+    from tightfit.optim.registry import optimizer_for
 
     return optimizer_for(model, setup.optimizer, lr=1e-4,
                          device_budget=setup.optimizer_device_budget)
@@ -342,7 +343,7 @@ def verify_report(report) -> list[dict]:  # noqa: ANN001 - a PlanReport (import 
 
 def format_verify(verified: list[dict]) -> str:
     """Predicted vs measured bytes per piece, one block per configuration."""
-    from tightfit.memory.sizes import format_bytes
+    from tightfit.measure.sizes import format_bytes
 
     lines = ["verify: one real step per configuration on this machine (tensor bytes, CPU)"]
     for entry in verified:

@@ -8,10 +8,11 @@ import pytest
 
 import tightfit
 from tightfit.cli import main
-from tightfit.memory.estimate import Overhead, TrainSetup, estimate
-from tightfit.memory.plan import plan
-from tightfit.memory.presets import PRESETS, load_shape
-from tightfit.memory.sizes import format_bytes, parse_bytes
+from tightfit.measure.sizes import format_bytes, parse_bytes
+from tightfit.planner.estimate import Overhead, estimate
+from tightfit.planner.ladder import plan
+from tightfit.planner.presets import PRESETS, load_shape
+from tightfit.planner.setup import TrainSetup
 
 
 def test_parse_bytes() -> None:

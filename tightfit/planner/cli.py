@@ -16,14 +16,14 @@ import argparse
 import json
 import re
 
-from tightfit.memory.estimate import ALL_LINEAR
+from tightfit.planner.setup import ALL_LINEAR
 
 _VERIFY_MAX_PARAMS = 60_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``tightfit plan``."""
-    from tightfit.memory.presets import PRESETS
+    from tightfit.planner.presets import PRESETS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     # let "--gpu -3GB" reach parse_bytes (which explains the error) instead of argparse
@@ -66,7 +66,7 @@ def _targets(text: str) -> tuple[str, ...] | None:
 
 def run(args: argparse.Namespace) -> int:
     """``tightfit plan``: print the table (or JSON), optionally verified."""
-    from tightfit.memory.plan import plan
+    from tightfit.planner.ladder import plan
 
     report = plan(
         args.model, args.gpu, seq_len=args.seq_len, batch=args.batch, lora_r=args.lora_r,
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         )
     verified = None
     if args.verify:
-        from tightfit.memory.plan_verify import verify_report
+        from tightfit.planner.verify import verify_report
 
         verified = verify_report(report)
     if args.json:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(report)
     if verified is not None:
-        from tightfit.memory.plan_verify import format_verify
+        from tightfit.planner.verify import format_verify
 
         print()
         print(format_verify(verified))

@@ -16,80 +16,21 @@ time is its FLOPs at ``gpu_tflops``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from tightfit.memory.estimate import Estimate, Overhead, TrainSetup, estimate, torch_dtype
-from tightfit.memory.plan_options import train_args
-from tightfit.memory.presets import ModelShape, load_shape
-from tightfit.memory.sizes import format_bytes, parse_bytes
+from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
+from tightfit.planner.estimate import Estimate, Overhead, estimate
+from tightfit.planner.presets import ModelShape, load_shape
+from tightfit.planner.setup import TrainSetup, torch_dtype
+from tightfit.planner.table import PlanReport, Row
+from tightfit.planner.train_args import train_args
 
 # Assumed cost ratios (see module doc); stated in every printed plan.
 QUANT_SLOWDOWN = {"none": 1.0, "nf4": 1.15, "int8": 1.3}
 DEFAULT_LINK_GBPS = 20.0  # host <-> device, PCIe 4.0 x16 in practice
 DEFAULT_GPU_TFLOPS = 100.0  # effective bf16 matmul throughput of a training step
 PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
-
-
-@dataclass(frozen=True)
-class Row:
-    """One configuration of the plan."""
-
-    name: str
-    setup: TrainSetup
-    estimate: Estimate
-    fits: bool
-    slowdown: float
-    paging_bytes_per_step: int
-    train_args: tuple[str, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        e = self.estimate
-        return {
-            "name": self.name,
-            "fits": self.fits,
-            "total_bytes": e.total,
-            "pieces_bytes": e.pieces(),
-            "optimizer_offloaded_bytes": e.optimizer_offloaded,
-            "paging_bytes_per_step": self.paging_bytes_per_step,
-            "slowdown": round(self.slowdown, 3),
-            "recompute_fraction": round(e.recompute_fraction, 4),
-            "checkpoint_segments": [list(s) for s in e.segments],
-            "setup": {k: (list(v) if isinstance(v, tuple) else v)
-                      for k, v in vars(self.setup).items()},
-            "train_args": list(self.train_args),
-        }
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """The answer of :func:`plan`: every configuration, and the one to use."""
-
-    shape: ModelShape
-    gpu_bytes: int
-    overhead: Overhead
-    rows: tuple[Row, ...]
-    recommended: Row | None
-    notes: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": vars(self.shape),
-            "params": self.shape.num_params(),
-            "gpu_bytes": self.gpu_bytes,
-            "overhead": {"fixed_bytes": self.overhead.fixed_bytes,
-                         "fraction": self.overhead.fraction},
-            "rows": [r.to_dict() for r in self.rows],
-            "recommended": None if self.recommended is None else self.recommended.name,
-            "notes": list(self.notes),
-        }
-
-    def __str__(self) -> str:
-        from tightfit.memory.plan_table import render
-
-        return render(self)
 
 
 def _flops_per_step(shape: ModelShape, setup: TrainSetup) -> float:

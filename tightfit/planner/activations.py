@@ -23,8 +23,8 @@ Saved per layer (frozen base: a frozen linear saves no input; only adapters do):
 The backward transients (gradients of the layer's intermediates in flight) are
 ``BWD_I`` · T·i·d (+ ``BWD_H16`` · T·h·4 of fp32 gradients in 16-bit compute), or one
 dequantized weight with its linear's gradients for 4-bit layers when that is larger;
-``BWD_*`` were calibrated against :class:`~tightfit.memory.MemoryTracker` on small
-configurations (see ``tests/memory/test_estimate.py`` and docs/plan.md).
+``BWD_*`` were calibrated against :class:`~tightfit.measure.tracker.MemoryTracker` on small
+configurations (see ``tests/planner/test_estimate.py`` and docs/plan.md).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tightfit.memory.estimate import TrainSetup
-    from tightfit.memory.presets import ModelShape
+    from tightfit.planner.presets import ModelShape
+    from tightfit.planner.setup import TrainSetup
 
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.
 BWD_I = 2.0
@@ -162,7 +162,7 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     if setup.loss_chunk_tokens is None:
         return 12 * t * v + (t * v * d if setup.keep_logits else 0)
     from tightfit.loss.sizing import predict_head_loss_bytes
-    from tightfit.memory.estimate import torch_dtype
+    from tightfit.planner.setup import torch_dtype
 
     return predict_head_loss_bytes(
         v, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype), hidden_size=shape.hidden,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tightfit.distributed import dtensor
+from tightfit.optim import dtensor
 
 pytestmark = [
     pytest.mark.distributed,

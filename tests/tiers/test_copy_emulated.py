@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
-from tightfit.paging.tiers import CudaCopyEngine
+from tightfit.tiers.copy import CudaCopyEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 PAGE = 64 << 10

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from tightfit.memory.tracker import MemoryTracker
-from tightfit.paging.pressure import PressureWatch, find_watch_blocks, resolve_target
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.paging.probes import FakeProbe, RSSProbe
+from tightfit.paging.watch import PressureWatch, find_watch_blocks, resolve_target
 
 MiB = 2**20
 

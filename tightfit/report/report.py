@@ -3,7 +3,7 @@
 One row per piece, as in the design's table "piece -> memory pain it targets", each with the
 bytes *without* the piece (full fine-tuning in bf16, fp32 absmax, no checkpointing, ...) and
 *with* it, counted from the prepared model's real tensors and measured on the real batch
-(see :mod:`tightfit.memory.pieces`). Rendered as a text table, JSON, Markdown and a PNG bars.
+(see :mod:`tightfit.report.pieces`). Rendered as a text table, JSON, Markdown and a PNG bars.
 
 Example::
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit.memory import pieces
+from tightfit.report import pieces
 
 MiB = 1 << 20
 

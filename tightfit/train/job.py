@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
-from tightfit.distributed.dtensor import is_dtensor, local_numel
 from tightfit.distributed.parallelize import shard_model
+from tightfit.optim.dtensor import is_dtensor, local_numel
+from tightfit.train import resume as ck
 
 DCP_DIR = "dcp"
 
@@ -164,7 +165,6 @@ class TrainJob:
         Returns:
             The checkpoint folder.
         """
-        from tightfit.train import checkpointing as ck
 
         if not self.distributed:
             return ck.save_checkpoint(out, step, model, optimizer, history)
@@ -194,13 +194,12 @@ class TrainJob:
         """Resume from a checkpoint written by one process or by any number of ranks.
 
         Returns:
-            ``tightfit.train.checkpointing.Restored``.
+            ``tightfit.train.resume.Restored``.
 
         Raises:
             ValueError: a single-process checkpoint under FSDP2 (its optimizer file holds
                 unsharded pages; resume it with DDP or in one process).
         """
-        from tightfit.train import checkpointing as ck
 
         if not (folder / DCP_DIR).is_dir():
             if self.strategy == "fsdp":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tightfit.memory.tracker import MemoryTracker
+from tightfit.measure.tracker import MemoryTracker
 
 
 def test_counts_new_storages_and_frees() -> None:
@@ -53,7 +53,7 @@ def test_bad_device() -> None:
 
 
 def test_external_memory_is_counted_like_a_storage_made_inside() -> None:
-    from tightfit.memory.tracker import external_allocated, external_freed
+    from tightfit.measure.tracker import external_allocated, external_freed
 
     external_allocated("before", 1000)  # no tracker active: nobody counts it
     with MemoryTracker("cpu") as mt:
@@ -85,7 +85,7 @@ def test_paged_optimizer_state_is_seen_in_either_page_format(monkeypatch, slabs)
 
 
 def test_tensors_made_under_not_counted_are_left_out(tmp_path) -> None:
-    from tightfit.memory.tracker import not_counted
+    from tightfit.measure.tracker import not_counted
 
     path = tmp_path / "f.bin"
     with MemoryTracker("cpu") as mt:

@@ -1,37 +1,29 @@
 """The analytic memory model: bytes of every piece of a LoRA / QLoRA training step.
 
-Given a :class:`~tightfit.memory.presets.ModelShape` and a :class:`TrainSetup`, predict in
+Given a :class:`~tightfit.planner.presets.ModelShape` and a :class:`TrainSetup`, predict in
 bytes what a step keeps on the device: base weights by storage type, the quantization
 constants exactly as bitsandbytes stores them, the LoRA adapters, their gradients, the
 optimizer state (and how much of it is resident under a paged budget), the activation peak
 of forward + backward under a checkpoint plan, the LM head + loss buffers, and an overhead
-margin. The activation formulas live in :mod:`tightfit.memory.activations`.
+margin. The activation formulas live in :mod:`tightfit.planner.activations`.
 
 Where a formula comes from an implementation detail (which tensors autograd saves, what
 bitsandbytes allocates) the docstring says so; ``tightfit plan --verify`` and the tests
-compare every piece against a real step measured with :class:`~tightfit.memory.MemoryTracker`.
+compare every piece against a real step measured with :class:`~tightfit.measure.tracker.MemoryTracker`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tightfit.memory.presets import ModelShape
+from tightfit.planner.presets import ModelShape
+from tightfit.planner.setup import TrainSetup
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
-DtypeName = Literal["fp32", "bf16", "fp16"]
-QuantName = Literal["none", "int8", "nf4"]
-OptimizerName = Literal["adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"]
-
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-ALL_LINEAR: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
 GiB = 1024**3
 MiB = 1024**2
 
@@ -41,113 +33,6 @@ DQ_CODE_BYTES = 256 * 4  # the 8-bit dynamic map of the second-level quantizatio
 DQ_BLOCKSIZE = 256  # blocksize of the second-level (absmax) quantization
 OPT8_BLOCKSIZE = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
 OPT8_MIN_SIZE = 4096  # bnb keeps 32-bit state for tensors with fewer elements than this
-
-
-@dataclass(frozen=True)
-class TrainSetup:
-    """One way to fine-tune: which memory pieces are on, and the batch.
-
-    Attributes:
-        seq_len: Tokens per sequence.
-        batch: Sequences per step (micro-batch).
-        compute_dtype: Dtype of activations and unquantized weights.
-        quant: Storage of the decoder layers' linear weights (embeddings, head and norms
-            always stay in ``compute_dtype``).
-        double_quant: NF4 constants quantized again (8-bit absmax + fp32 per 256 blocks).
-        blocksize: NF4 block size (values per fp32 absmax).
-        lora_r: LoRA rank.
-        lora_targets: Linear layers of each decoder layer that get adapters.
-        lora_dropout: Dropout on the adapter input (> 0 saves a mask and a copy per target).
-        adapter_dtype: Dtype of the adapters; peft keeps them in fp32 by default
-            (``autocast_adapter_dtype``), which makes each adapter save an fp32 copy of its
-            input when the compute dtype is 16-bit.
-        checkpoint: ``none``, ``every``, ``sqrt``, ``uniform:k`` or ``budget``.
-        checkpoint_budget: Activation bytes for ``budget`` (layers + head/loss).
-        optimizer: Optimizer of the trainable (LoRA) parameters.
-        optimizer_device_budget: Device bytes a paged optimizer may keep resident
-            (``None``: all of it).
-        loss_chunk_tokens: Tokens per chunk of the chunked LM head + loss (``None``: the
-            unchunked HF loss).
-        keep_logits: The caller keeps the model output (and so the logits) alive through
-            backward, as ``out = model(...); out.loss.backward()`` does.
-    """
-
-    seq_len: int = 2048
-    batch: int = 1
-    compute_dtype: DtypeName = "bf16"
-    quant: QuantName = "nf4"
-    double_quant: bool = True
-    blocksize: int = 64
-    lora_r: int = 16
-    lora_targets: tuple[str, ...] = ALL_LINEAR
-    lora_dropout: float = 0.0
-    adapter_dtype: DtypeName = "fp32"
-    checkpoint: str = "none"
-    checkpoint_budget: int | None = None
-    optimizer: OptimizerName = "adamw"
-    optimizer_device_budget: int | None = None
-    loss_chunk_tokens: int | None = None
-    keep_logits: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "batch", "lora_r", "blocksize"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-        for name in ("compute_dtype", "adapter_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
-                raise ValueError(f"{name} must be one of {list(DTYPE_BYTES)}, got {getattr(self, name)!r}.")
-        if self.quant not in ("none", "int8", "nf4"):
-            raise ValueError(f"quant must be 'none', 'int8' or 'nf4', got {self.quant!r}.")
-        if self.optimizer not in ("adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"):
-            raise ValueError(
-                f"optimizer must be adamw, adamw8bit, paged_adamw or paged_adamw8bit, got "
-                f"{self.optimizer!r}."
-            )
-        bad = [t for t in self.lora_targets if t not in ALL_LINEAR]
-        if bad or not self.lora_targets:
-            raise ValueError(
-                f"lora_targets {bad or '()'} not understood; choose from {', '.join(ALL_LINEAR)}."
-            )
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
-        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens must be >= 1 or None, got {self.loss_chunk_tokens}.")
-        from tightfit.memory.activations import parse_policy
-
-        parse_policy(self.checkpoint)
-        if self.checkpoint == "budget" and (self.checkpoint_budget or 0) <= 0:
-            raise ValueError("checkpoint='budget' needs checkpoint_budget=<bytes> > 0.")
-
-    @property
-    def tokens(self) -> int:
-        return self.seq_len * self.batch
-
-    @property
-    def d(self) -> int:
-        """Bytes per element of the compute dtype."""
-        return DTYPE_BYTES[self.compute_dtype]
-
-    @property
-    def a(self) -> int:
-        """Bytes per element of the adapters."""
-        return DTYPE_BYTES[self.adapter_dtype]
-
-    @property
-    def paged(self) -> bool:
-        return self.optimizer.startswith("paged")
-
-    def with_(self, **changes: object) -> TrainSetup:
-        """A copy with some fields changed."""
-        return replace(self, **changes)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a short dtype name (``"bf16"`` → ``torch.bfloat16``); torch is
-    imported on first use, so the memory model itself stays torch-free."""
-    import torch
-
-    return getattr(torch, DTYPE_NAMES[name])
 
 
 # -- weights and constants -----------------------------------------------------------
@@ -315,7 +200,7 @@ def estimate(
     Returns:
         The per-piece :class:`Estimate`.
     """
-    from tightfit.memory.activations import activation_peak
+    from tightfit.planner.activations import activation_peak
 
     overhead = overhead or Overhead()
     weights, constants = base_weight_bytes(shape, setup)

@@ -1,0 +1,145 @@
+"""The package's layering: every import points down, and no two files import each other.
+
+Each folder of ``tightfit/`` is one level. A module may import its own folder and the folders
+listed before its own in :data:`LEVELS`; nothing else of tightfit. Lazy imports inside
+functions and ``TYPE_CHECKING`` imports count too: a dependency is a dependency. Run this file
+alone (``pytest tests/test_layers.py -q``) to list the offending imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tightfit"
+
+# Lowest first. ``tightfit`` itself (the lazy public API) and ``cli`` sit above everything.
+LEVELS: tuple[str, ...] = (
+    "measure",      # live-byte tracker, sizes: anyone may import it
+    "tiers",        # device / host / disk places and the copy engines between them
+    "loss",         # chunked LM head + cross-entropy
+    "checkpoint",   # activation recompute/offload: blocks, profile, plans, solver, apply
+    "paging",       # optimizer-state pages: layout, store, sweep, probes, watch, occupancy
+    "optim",        # the paged optimizers, their DTensor glue and the registry
+    "qlora",        # prepare(): NF4 + DQ via bitsandbytes, LoRA via peft
+    "report",       # the measured per-piece report
+    "planner",      # shapes/presets, memory model, ladder, table, verify, `tightfit plan`
+    "distributed",  # torchrun launch, FSDP2/DDP wrapping, DCP, selfcheck
+    "train",        # the loop, data, resume state, plots, the torchrun job
+    "cli",          # `tightfit …`
+    "",             # tightfit/__init__.py: the public API
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(name: str) -> bool:
+    return (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+
+
+def _resolve(name: str) -> str | None:
+    """The module file an imported dotted name lands in (a package → its ``__init__``)."""
+    while name:
+        if _is_package(name) or (PACKAGE.parent / (name.replace(".", "/") + ".py")).exists():
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every tightfit module the file imports, lazily or not."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import submodule`` imports the submodule; otherwise the package
+            names = [f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}"
+                     else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] == "tightfit" and (target := _resolve(name)) is not None:
+                found.append((node.lineno, target))
+    return found
+
+
+def level_of(module: str) -> int:
+    parts = module.split(".")
+    folder = parts[1] if len(parts) > 1 else ""
+    return LEVELS.index(folder)
+
+
+def _modules() -> dict[str, list[tuple[int, str]]]:
+    return {_module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_folder_has_a_level() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert folders | modules == set(LEVELS) - {""}
+
+
+def test_no_import_runs_upward() -> None:
+    upward = [
+        f"{module}:{line} imports {target} ({LEVELS[level_of(target)] or 'tightfit'} is above "
+        f"{LEVELS[level_of(module)] or 'tightfit'})"
+        for module, deps in _modules().items()
+        for line, target in deps
+        if level_of(target) > level_of(module)
+    ]
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_files() -> None:
+    graph = {m: {t for _, t in deps if t != m} for m, deps in _modules().items()}
+    # Tarjan's strongly connected components; any component of two or more files is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles between files:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    # The checker itself: an import inside a function is found and resolved to its file.
+    found = dict((t, line) for line, t in imports_of(PACKAGE / "train" / "loop.py"))
+    assert "tightfit.report.report" in found
+    assert level_of("tightfit.paging.store") < level_of("tightfit.optim.base")

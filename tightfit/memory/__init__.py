@@ -1,1 +1,0 @@
-"""tightfit.memory."""

@@ -57,7 +57,7 @@ def test_model_only_round_trip(tmp_path) -> None:
         assert torch.equal(a, b)
 
 
-def test_missing_checkpoint_is_named(tmp_path) -> None:
+def test_missing_saved_state_is_named(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="no .metadata"):
         dcp.load(tmp_path / "nothing", _model())
 
@@ -73,6 +73,6 @@ def test_trainable_only_leaves_frozen_params(tmp_path) -> None:
     frozen_before = other[0].weight.clone()
     other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
     dcp.load(tmp_path / "t", other, other_opt, trainable_only=True)
-    assert torch.equal(other[0].weight, frozen_before)  # not in the checkpoint: untouched
+    assert torch.equal(other[0].weight, frozen_before)  # not in the saved state: untouched
     assert torch.equal(other[2].weight, model[2].weight)
     assert other_opt.state_dict()["state"][0]["step"].item() == 1

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tightfit.cli import main
 from tightfit.optim.registry import OptimizerOptions
 from tightfit.qlora.options import LoraOptions
-from tightfit.train import resume as ck
+from tightfit.train import resume
 from tightfit.train.loop import RunConfig, TrainOptions, train
 
 
@@ -57,7 +57,7 @@ def test_default_run_finishes_loss_falls_and_writes_everything(tmp_path) -> None
                  "report.json", "report.md", "memory_report.png", "memory_timeline.png",
                  "loss_curve.png", "run_config.json", "LATEST"):
         assert (out / name).is_file(), name
-    latest = ck.latest_checkpoint(out)
+    latest = resume.latest_state(out)
     assert latest is not None and latest.name == "step-00000008"
     assert (latest / "optimizer.pt").is_file()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000008"]
@@ -80,31 +80,42 @@ def test_stop_at_k_and_resume_equals_uninterrupted_bit_for_bit(tmp_path, tiny_di
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the optimizer state files (the paged optimizer's streamed format) are identical too
-    fa = (ck.latest_checkpoint(full.out) / "optimizer.pt").read_bytes()
-    fb = (ck.latest_checkpoint(resumed.out) / "optimizer.pt").read_bytes()
+    fa = (resume.latest_state(full.out) / "optimizer.pt").read_bytes()
+    fb = (resume.latest_state(resumed.out) / "optimizer.pt").read_bytes()
     assert fa == fb
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, tiny_dir, monkeypatch) -> None:
+def test_a_failed_save_leaves_the_previous_saved_state(tmp_path, tiny_dir, monkeypatch) -> None:
     out = tmp_path / "run"
-    real = ck.save_optimizer
+    real = resume.save_optimizer
     calls = {"n": 0}
 
-    def dying_save(opt, path):  # the process "dies" while writing the second checkpoint
+    def dying_save(opt, path):  # the process "dies" while writing the second saved state
         calls["n"] += 1
         if calls["n"] == 2:
             path.write_bytes(b"half a file")
             raise KeyboardInterrupt
         real(opt, path)
 
-    monkeypatch.setattr(ck, "save_optimizer", dying_save)
+    monkeypatch.setattr(resume, "save_optimizer", dying_save)
     with pytest.raises(KeyboardInterrupt):
         train(_cfg(out, tiny_dir), progress=False, log=lambda s: None)
-    assert ck.latest_checkpoint(out) == out / "checkpoints" / "step-00000002"
-    monkeypatch.setattr(ck, "save_optimizer", real)
+    assert resume.latest_state(out) == out / "checkpoints" / "step-00000002"
+    monkeypatch.setattr(resume, "save_optimizer", real)
     result = train(_cfg(out, tiny_dir, resume=str(out)), progress=False, log=lambda s: None)
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
     assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_without_a_complete_saved_state_is_refused(tmp_path) -> None:
+    out = tmp_path / "half"
+    out.mkdir()
+    resume.write_config(out, {"train.seed": 0})
+    (out / resume.LATEST).write_text("checkpoints/step-00000002\n")  # its folder never landed
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ValueError, match="no complete saved state to resume from"):
+        train(_cfg(out, None, resume=str(out)), progress=False, log=lambda s: None)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
 def test_bad_input_fails_before_anything_is_written(tmp_path, tiny_dir) -> None:

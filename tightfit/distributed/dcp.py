@@ -1,10 +1,13 @@
-"""Save and resume model + optimizer through ``torch.distributed.checkpoint`` (DCP).
+"""Save and resume model + optimizer state through ``torch.distributed.checkpoint`` (DCP).
 
-DCP writes each rank's shards in parallel and reshards on load, so a checkpoint written by N
-ranks resumes on M (including one process without a process group). The state-dict helpers
+(torch's module name aside, what is written here is *resume state*; "checkpoint" in tightfit
+means activation recompute, :mod:`tightfit.checkpoint`.)
+
+DCP writes each rank's shards in parallel and reshards on load, so a state saved by N ranks
+resumes on M (including one process without a process group). The state-dict helpers
 (``get_state_dict``/``set_state_dict``) turn parameter ids into fully qualified names and
-strip FSDP2/DDP wrappers, so the same checkpoint loads into a sharded, a replicated or a plain
-model. Paged optimizers take part like torch's: their ``state_dict()`` hands out DTensor state
+strip FSDP2/DDP wrappers, so the same saved state loads into a sharded, a replicated or a
+plain model. Paged optimizers take part like torch's: their ``state_dict()`` hands out DTensor state
 for DTensor params and their ``load_state_dict()`` writes it back into pages.
 """
 
@@ -30,17 +33,17 @@ def _dcp():
 
 
 def save(
-    checkpoint_dir: str | os.PathLike,
+    state_dir: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
     *,
     trainable_only: bool = False,
 ) -> None:
-    """Write model (and optimizer) state as a DCP checkpoint; every rank must call it.
+    """Write model (and optimizer) state with DCP; every rank must call it.
 
     Args:
-        checkpoint_dir: directory for the checkpoint (created; existing files overwritten).
+        state_dir: directory for the saved state (created; existing files overwritten).
         model: the model as trained (FSDP2-sharded, DDP-wrapped or plain).
         optimizer: its optimizer, if its state should be saved.
         extra: small picklable values to keep with it (step counter, data position …).
@@ -51,17 +54,17 @@ def save(
     state = _state(sd, model, optimizer, trainable_only)
     state[_EXTRA] = dict(extra or {})
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir), no_dist=not _dist_ready())
+        dcp.save(state, checkpoint_id=os.fspath(state_dir), no_dist=not _dist_ready())
 
 
 def load(
-    checkpoint_dir: str | os.PathLike,
+    state_dir: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Load a DCP checkpoint into ``model`` (and ``optimizer``), resharding as needed.
+    """Load state saved by :func:`save` into ``model`` (and ``optimizer``), resharding as needed.
 
     ``trainable_only`` must match the save: only params that require grad are read.
 
@@ -69,21 +72,21 @@ def load(
     helper initializes its state with one zero-learning-rate step, then overwrites it.
 
     Returns:
-        The ``extra`` values saved with the checkpoint.
+        The ``extra`` values saved with the state.
 
     Raises:
-        FileNotFoundError: if ``checkpoint_dir`` holds no DCP checkpoint.
+        FileNotFoundError: if ``state_dir`` holds no state DCP saved.
     """
-    path = os.fspath(checkpoint_dir)
+    path = os.fspath(state_dir)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(
-            f"{path!r} holds no torch.distributed.checkpoint checkpoint (no .metadata); "
+            f"{path!r} holds no state saved by torch.distributed.checkpoint (no .metadata); "
             "pass the directory given to tightfit.distributed.dcp.save"
         )
     dcp, sd = _dcp()
     no_dist = not _dist_ready()
     extra = _read_extra(dcp, path, no_dist)
-    # strict=False: a trainable-only checkpoint leaves the frozen params as they are
+    # strict=False: a trainable-only saved state leaves the frozen params as they are
     options = sd.StateDictOptions(strict=not trainable_only)
     state = _state(sd, model, optimizer, trainable_only)
     with _quiet_single_process():
@@ -127,7 +130,7 @@ def _only(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
     kept = {k: v for k, v in state.items() if k in names}
     if not kept:
         raise ValueError(
-            "the model has no trainable parameters to checkpoint; pass trainable_only=False "
+            "the model has no trainable parameters to save; pass trainable_only=False "
             "or set requires_grad on the params to train"
         )
     return kept

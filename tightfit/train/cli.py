@@ -18,7 +18,7 @@ from typing import Any, Literal
 from tightfit.measure.sizes import parse_bytes
 from tightfit.optim.registry import OptimizerOptions
 from tightfit.qlora.options import LoraOptions, PrepareOptions
-from tightfit.train.loop import RunConfig, TrainOptions
+from tightfit.train.options import RunConfig, TrainOptions
 
 # (help group title, dataclass, flag prefix, fields renamed on the command line)
 _GROUPS: list[tuple[str, type, str, dict[str, str]]] = [

@@ -1,4 +1,4 @@
-"""``tightfit train`` under torchrun: wrap, split batches, checkpoint with DCP, gather per rank.
+"""``tightfit train`` under torchrun: wrap, split batches, save resume state with DCP, gather.
 
 The training loop asks a :class:`TrainJob` for everything that differs between one process
 and many; in a single process (no torchrun) every method is the identity or the loop's own
@@ -7,7 +7,7 @@ single-process behaviour, so the loop has one code path.
 Under torchrun each rank trains on its rows of every global batch (``--batch-size`` is the
 global batch), the model is DDP-wrapped or, with ``--fsdp``, FSDP2-sharded (trainable LoRA
 params, grads and paged optimizer state sharded; the frozen 4-bit base replicated), and a
-checkpoint folder holds a DCP checkpoint of the trainable params + optimizer (``dcp/``, any
+saved state's folder holds the trainable params + optimizer as DCP wrote them (``dcp/``, any
 rank count can resume it), the adapter in peft format (gathered, written by rank 0), the
 trainer state (rank 0) and each rank's RNG state.
 """
@@ -26,7 +26,7 @@ from torch import nn
 from tightfit.distributed import dcp, launch
 from tightfit.distributed.parallelize import shard_model
 from tightfit.optim.dtensor import is_dtensor, local_numel
-from tightfit.train import resume as ck
+from tightfit.train import resume
 
 DCP_DIR = "dcp"
 
@@ -151,8 +151,8 @@ class TrainJob:
     def _comm_device(self) -> torch.device:
         return self.info.device if self.info.device.type == "cuda" else torch.device("cpu")
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(
+    # ------------------------------------------------------------------ resume state
+    def save_state(
         self,
         out: Path,
         step: int,
@@ -160,17 +160,17 @@ class TrainJob:
         optimizer: torch.optim.Optimizer,
         history: list[dict[str, Any]],
     ) -> Path:
-        """Write checkpoint ``step`` (every rank calls it); atomic like the single-process one.
+        """Write the resume state of ``step`` (every rank calls it); atomic like one process's.
 
         Returns:
-            The checkpoint folder.
+            The saved state's folder.
         """
 
         if not self.distributed:
-            return ck.save_checkpoint(out, step, model, optimizer, history)
+            return resume.save_state(out, step, model, optimizer, history)
         name = f"step-{step:08d}"
-        ckdir = out / "checkpoints"
-        tmp, final = ckdir / f".tmp-{name}-dist", ckdir / name
+        states = out / resume.STATES_DIR
+        tmp, final = states / f".tmp-{name}-dist", states / name
         if self.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -178,26 +178,28 @@ class TrainJob:
         self.barrier()
         dcp.save(tmp / DCP_DIR, model, optimizer, trainable_only=True)
         adapter = _full_state(model)  # collective; rank 0 gets the tensors
-        torch.save(ck.rng_state(), tmp / f"rng-rank{self.info.rank}.pt")
+        torch.save(resume.rng_state(), tmp / f"rng-rank{self.info.rank}.pt")
         if self.is_main:
             model.save_pretrained(tmp / "adapter", state_dict=adapter)
-            torch.save({"step": step, "rng": ck.rng_state(), "history": history,
+            torch.save({"step": step, "rng": resume.rng_state(), "history": history,
                         "world_size": self.info.world_size, "strategy": self.strategy},
                        tmp / "trainer_state.pt")  # fmt: skip
         self.barrier()
-        if self.is_main:  # publish: rename, then LATEST, then drop older checkpoints
-            ck.publish_checkpoint(out, tmp, final)
+        if self.is_main:  # publish: rename, then LATEST, then drop older saved states
+            resume.publish_state(out, tmp, final)
         self.barrier()
         return final
 
-    def load_checkpoint(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """Resume from a checkpoint written by one process or by any number of ranks.
+    def load_state(
+        self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> resume.SavedState:
+        """Resume from the state saved in ``folder`` by one process or by any number of ranks.
 
         Returns:
-            ``tightfit.train.resume.Restored``.
+            The step, the history and the folder read back.
 
         Raises:
-            ValueError: a single-process checkpoint under FSDP2 (its optimizer file holds
+            ValueError: a single process's saved state under FSDP2 (its optimizer file holds
                 unsharded pages; resume it with DDP or in one process).
         """
 
@@ -207,14 +209,14 @@ class TrainJob:
                     f"{str(folder)!r} was written by a single process; its optimizer pages are "
                     "not sharded. Resume it without --fsdp (DDP or one process)."
                 )
-            return ck.load_checkpoint(folder, model, optimizer)  # DDP: every replica loads it
+            return resume.load_state(folder, model, optimizer)  # DDP: every replica loads it
         dcp.load(folder / DCP_DIR, model, optimizer, trainable_only=True)
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
         rng = folder / f"rng-rank{self.info.rank}.pt"
         # The same layout continues each rank's RNG stream; another rank count cannot.
         if state.get("world_size") == self.info.world_size and rng.is_file():
-            ck.set_rng_state(torch.load(rng, weights_only=False))
-        return ck.Restored(int(state["step"]), list(state["history"]), folder)
+            resume.set_rng_state(torch.load(rng, weights_only=False))
+        return resume.SavedState(int(state["step"]), list(state["history"]), folder)
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,18 +1,22 @@
-"""Atomic training checkpoints and bit-exact resume.
+"""Atomic resume state and bit-exact resume.
+
+("Checkpoint" in tightfit means activation recompute, :mod:`tightfit.checkpoint`; what a run
+saves to continue later is its *resume state*. The folder keeps its historical name
+``checkpoints/`` so that existing run folders still resume.)
 
 Layout of an output folder::
 
     out/
       run_config.json          what the run was (a resume must match it)
-      LATEST                   "checkpoints/step-00000050": the last complete checkpoint
+      LATEST                   "checkpoints/step-00000050": the last complete saved state
       checkpoints/step-00000050/
         adapter/               the LoRA adapter, peft format (adapter_config.json + safetensors)
         optimizer.pt           the optimizer state (the paged optimizer's own streamed save)
         trainer_state.pt       step, RNG states, loss/memory history
 
-A checkpoint is written into a temporary folder, renamed into place (a rename is atomic),
-and only then does ``LATEST`` move to it (write a temp file + ``os.replace``); older
-checkpoints are deleted last. A kill at any moment leaves ``LATEST`` naming a complete one.
+A saved state is written into a temporary folder, renamed into place (a rename is atomic),
+and only then does ``LATEST`` move to it (write a temp file + ``os.replace``); older saved
+states are deleted last. A kill at any moment leaves ``LATEST`` naming a complete one.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from torch import nn
 
 LATEST = "LATEST"
 CONFIG = "run_config.json"
+STATES_DIR = "checkpoints"  # the on-disk name predates the vocabulary; kept for old runs
 
 
 @dataclass
-class Restored:
-    """What a resume reads back."""
+class SavedState:
+    """What a resume reads back: the step reached, the history so far, the folder read."""
 
     step: int
     history: list[dict[str, Any]]
@@ -79,7 +84,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
+def save_state(
     out: Path,
     step: int,
     model: nn.Module,
@@ -87,46 +92,46 @@ def save_checkpoint(
     history: list[dict[str, Any]],
     keep: int = 1,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and point ``LATEST`` at it.
+    """Write the resume state of ``step`` atomically and point ``LATEST`` at it.
 
     Returns:
-        The checkpoint folder.
+        The saved state's folder.
     """
-    ckdir = out / "checkpoints"
-    ckdir.mkdir(parents=True, exist_ok=True)
+    states = out / STATES_DIR
+    states.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
-    final = ckdir / name
-    tmp = ckdir / f".tmp-{name}-{os.getpid()}"
+    final = states / name
+    tmp = states / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     model.save_pretrained(tmp / "adapter")
     save_optimizer(optimizer, tmp / "optimizer.pt")
     torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / "trainer_state.pt")
-    publish_checkpoint(out, tmp, final, keep)
+    publish_state(out, tmp, final, keep)
     return final
 
 
-def publish_checkpoint(out: Path, tmp: Path, final: Path, keep: int = 1) -> None:
-    """Rename the complete checkpoint ``tmp`` to ``final`` and point ``LATEST`` at it.
+def publish_state(out: Path, tmp: Path, final: Path, keep: int = 1) -> None:
+    """Rename the complete saved state ``tmp`` to ``final`` and point ``LATEST`` at it.
 
-    Then drops all but the newest ``keep`` checkpoints and any temp folder a kill left behind.
+    Then drops all but the newest ``keep`` saved states and any temp folder a kill left behind.
     """
     if final.exists():  # a re-run of the same step: the old copy is not LATEST's any more
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_text(out / LATEST, f"checkpoints/{final.name}\n")
-    # Only now is it safe to drop older checkpoints (and any temp folder a kill left behind).
-    ckdir = final.parent
-    done = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and p != final)
+    _atomic_text(out / LATEST, f"{STATES_DIR}/{final.name}\n")
+    # Only now is it safe to drop older saved states (and any temp folder a kill left behind).
+    states = final.parent
+    done = sorted(p for p in states.iterdir() if p.name.startswith("step-") and p != final)
     for old in done[: max(0, len(done) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in ckdir.glob(".tmp-*"):
+    for stale in states.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    """The folder ``LATEST`` names, or ``None`` when there is no complete checkpoint."""
+def latest_state(out: Path) -> Path | None:
+    """The folder ``LATEST`` names, or ``None`` when there is no complete saved state."""
     pointer = out / LATEST
     if not pointer.is_file():
         return None
@@ -134,10 +139,8 @@ def latest_checkpoint(out: Path) -> Path | None:
     return folder if (folder / "trainer_state.pt").is_file() else None
 
 
-def load_checkpoint(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> Restored:
-    """Load adapter weights, optimizer state and RNG states from a checkpoint folder."""
+def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> SavedState:
+    """Load adapter weights, optimizer state and RNG states from a saved state's folder."""
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     device = next(model.parameters()).device
@@ -146,13 +149,13 @@ def load_checkpoint(
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
         raise ValueError(
-            f"checkpoint {str(folder)!r} has adapter weights this model does not have "
+            f"saved state {str(folder)!r} has adapter weights this model does not have "
             f"({unexpected[:3]}...); resume with the configuration that wrote it."
         )
     load_optimizer(optimizer, folder / "optimizer.pt")
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     set_rng_state(state["rng"])
-    return Restored(int(state["step"]), list(state["history"]), folder)
+    return SavedState(int(state["step"]), list(state["history"]), folder)
 
 
 def write_config(out: Path, config: dict[str, Any]) -> None:
@@ -175,13 +178,13 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any], free: set[st
     return sorted(k for k in keys if saved.get(k) != current.get(k))
 
 
-def publish_adapter(out: Path, checkpoint: Path) -> Path:
-    """Copy the final checkpoint's adapter to ``out/adapter`` (swap in atomically)."""
+def publish_adapter(out: Path, saved: Path) -> Path:
+    """Copy the adapter of the saved state ``saved`` to ``out/adapter``, swapped in atomically."""
     final = out / "adapter"
     tmp = out / f".adapter.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(checkpoint / "adapter", tmp)
+    shutil.copytree(saved / "adapter", tmp)
     old = out / f".adapter.old-{os.getpid()}"
     if final.exists():
         os.replace(final, old)

@@ -1,0 +1,228 @@
+"""Setting up a ``tightfit train`` run: every check, then the model, data, optimizer and folder.
+
+Everything that can be wrong with the input (model folder, data, sequence length, LoRA
+targets, budgets, a resume folder from another configuration) is checked before the first
+step and before anything in the output folder is written. :func:`setup` returns a
+:class:`Run`, the state the steps (:func:`tightfit.train.loop.run_steps`) then advance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tightfit.optim.registry import OptimizerOptions, optimizer_for
+from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
+from tightfit.train import data as data_mod
+from tightfit.train import model as builtin
+from tightfit.train import resume
+from tightfit.train.job import TrainJob
+from tightfit.train.options import RunConfig, TrainOptions
+
+DEMO_PAGE_BYTES = 64 << 10
+DEMO_DEVICE_BUDGET = 256 << 10
+
+# Options that may change between a run and its resume without changing the trajectory.
+_FREE_KEYS = {"train.steps", "train.out", "train.resume", "train.save_every",
+              "train.track_every", "train.threads", "optimizer.spill_dir", "train.fsdp",
+              "train.zero3"}
+
+
+@dataclass
+class Run:
+    """What :func:`setup` built, and the state the training steps advance.
+
+    Attributes:
+        cfg: The run's options.
+        job: This process's place in the run (one process, or one rank under torchrun).
+        out: The output folder.
+        tokens: The tokenized training data.
+        model: The prepared model (a peft model when LoRA is on).
+        runner: What forward/backward run through: ``model``, its DDP wrapper, or ``model``
+            sharded in place by FSDP2.
+        optimizer: The optimizer over the (possibly sharded) trainable parameters.
+        info: What :func:`tightfit.prepare` did (``model.tightfit_info``).
+        example: The global batch the plan was profiled on and the report is measured on.
+        log: Where to print messages (silent on every rank but rank 0).
+        progress: Whether to show a progress bar.
+        start: The first step to run (the saved step when resuming).
+        history: One record per step done so far (read back when resuming).
+        last_saved: The folder of the newest saved resume state, if any.
+    """
+
+    cfg: RunConfig
+    job: TrainJob
+    out: Path
+    tokens: data_mod.TokenData
+    model: nn.Module
+    runner: nn.Module
+    optimizer: torch.optim.Optimizer
+    info: PrepareInfo
+    example: dict[str, torch.Tensor]
+    log: Callable[[str], None]
+    progress: bool
+    start: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_saved: Path | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+
+def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
+    """Check every input, build model, data and optimizer, then open the output folder.
+
+    A fresh run creates the folder and writes ``run_config.json``; a resume loads the
+    adapter, the optimizer and the RNG states from the newest saved state. Neither happens
+    unless every check passed.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad input, before anything is written.
+    """
+    t = cfg.train
+    job = TrainJob.start(t.fsdp, t.batch_size, t.device,  # torchrun: one rank of N
+                         reshard_after_forward=t.zero3)
+    if not job.is_main:
+        log, progress = (lambda _msg: None), False
+    out = _output_folder(t)
+    saved = _check_output_folder(out, t)
+    _set_threads(t)
+    model, tokens, _ = _load_inputs(cfg)
+    flat = _flat_config(cfg, tokens.fingerprint)
+    if saved is not None:
+        _check_same_config(out, saved, flat)
+    if t.model is None:
+        log(builtin.RANDOM_WEIGHTS_NOTE)
+
+    example = tokens.batch(0, t.batch_size, t.seq_len, t.seed)
+    model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example, device=t.device)
+    info = model.tightfit_info
+    runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
+    o = _optimizer_options(cfg, log)
+    optimizer = optimizer_for(model, o.kind, lr=o.lr, weight_decay=o.weight_decay,
+                              page_bytes=o.page_bytes, device_budget=o.device_budget,
+                              host_budget=o.host_budget, spill_dir=o.spill_dir)
+    for note in info.notes:
+        log(f"note: {note}")
+    if info.plan is not None:
+        log(str(info.plan))
+
+    run = Run(cfg, job, out, tokens, model, runner, optimizer, info, example, log, progress)
+    _open_output_folder(run, flat, resuming=saved is not None)
+    return run
+
+
+def _output_folder(t: TrainOptions) -> Path:
+    if t.resume is not None:
+        return Path(t.resume)
+    if t.out is not None:
+        return Path(t.out)
+    # a fresh folder per run, so running the demo twice just works
+    return Path("tightfit-out") / time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+
+
+def _check_output_folder(out: Path, t: TrainOptions) -> dict[str, Any] | None:
+    """The saved run config when resuming (``None`` for a new run), the folder checked."""
+    if t.resume is not None:
+        saved = resume.read_config(out)
+        if resume.latest_state(out) is None:
+            raise ValueError(f"{str(out)!r} has no complete saved state to resume from; start "
+                             "a new run instead of --resume.")
+        return saved
+    if resume.latest_state(out) is not None:
+        raise ValueError(f"{str(out)!r} already holds a run; pass --resume {out} to continue it "
+                         "or choose another --out.")
+    return None
+
+
+def _check_same_config(out: Path, saved: dict[str, Any], flat: dict[str, Any]) -> None:
+    diff = resume.config_mismatch(saved, flat, _FREE_KEYS)
+    if diff:
+        shown = "; ".join(f"{k}: was {saved.get(k)!r}, now {flat.get(k)!r}" for k in diff)
+        raise ValueError(f"--resume {str(out)!r} was written by another configuration ({shown}); "
+                         "resume with the same options or start a new --out.")
+
+
+def _set_threads(t: TrainOptions) -> None:
+    builtin_on_cpu = t.model is None and _device_type(t.device) == "cpu"
+    threads = t.threads if t.threads is not None else (1 if builtin_on_cpu else None)
+    if threads is not None:
+        # The built-in model's matrices are too small to gain from a second thread, and on
+        # a busy machine an OpenMP team of two stalls badly waiting for its second core.
+        torch.set_num_threads(threads)
+
+
+def _device_type(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def _load_inputs(cfg: RunConfig) -> tuple[Any, data_mod.TokenData, Any]:
+    """Model (unprepared), data and tokenizer, every check done."""
+    t = cfg.train
+    if t.model is None:
+        tokenizer: Any = data_mod.ByteTokenizer()
+    else:
+        folder = Path(t.model)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"model folder {t.model!r} does not exist; pass a local Hugging Face model "
+                "folder or omit --model for the built-in model.")
+        tokenizer = (data_mod.HFTokenizer(folder) if data_mod.has_hf_tokenizer(folder)
+                     else data_mod.ByteTokenizer())
+    tokens = data_mod.TokenData.from_text(data_mod.read_corpus(t.data), tokenizer)
+    tokens.check_fits(t.seq_len)
+    torch.manual_seed(t.seed)  # the built-in model's random weights come from the seed
+    model = builtin.builtin_model() if t.model is None else load_causal_lm(t.model)
+    limit = builtin.max_positions(model)
+    if limit is not None and t.seq_len > limit:
+        raise ValueError(
+            f"--seq-len {t.seq_len} is longer than the model allows ({limit} positions); "
+            f"pass --seq-len {limit} or less.")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and int(tokens.tokens.max()) >= vocab:
+        raise ValueError(
+            f"the tokenizer produces id {int(tokens.tokens.max())} but the model's vocabulary "
+            f"has {vocab} entries; use the model folder's own tokenizer.")
+    return model, tokens, tokenizer
+
+
+def _flat_config(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for group, value in asdict(cfg).items():
+        for k, v in value.items():
+            flat[f"{group}.{k}"] = list(v) if isinstance(v, tuple) else v
+    flat["data.fingerprint"] = fingerprint
+    return flat
+
+
+def _optimizer_options(cfg: RunConfig, log: Callable[[str], None]) -> OptimizerOptions:
+    o = cfg.optimizer
+    if cfg.train.model is None and o.page_bytes is None and o.device_budget is None:
+        # The built-in demo's state is ~0.6 MiB: small pages and a budget of part of it make
+        # the paging (and its report rows and timeline) real. Any paging flag turns this off.
+        o = replace(o, page_bytes=DEMO_PAGE_BYTES, device_budget=DEMO_DEVICE_BUDGET)
+        log(f"note: built-in demo pages its optimizer state: --page-bytes {DEMO_PAGE_BYTES} "
+            f"--device-budget {DEMO_DEVICE_BUDGET} (the rest spills to disk)")
+    return o
+
+
+def _open_output_folder(run: Run, flat: dict[str, Any], *, resuming: bool) -> None:
+    """All checks passed: from here on the output folder is written (or read to resume)."""
+    if resuming:
+        restored = run.job.load_state(resume.latest_state(run.out), run.model, run.optimizer)
+        run.start, run.history = restored.step, restored.history
+        run.log(f"resumed from {restored.folder} at step {run.start}")
+    elif run.job.is_main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        resume.write_config(run.out, flat)
+    run.job.barrier()
+    run.last_saved = resume.latest_state(run.out)

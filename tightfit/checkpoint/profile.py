@@ -149,60 +149,73 @@ def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
                    step_s, mem["peak"], str(device))
 
 
+class _MemoryHooks:
+    """The memory pass's hooks: which block runs, what each saves, marks at its boundaries.
+
+    ``block_of[0]`` is the block running now: -1 the prefix before the chain, ``n`` the tail
+    after it (the :class:`_OpRecorder` reads the same list).
+    """
+
+    def __init__(self, n: int, skip: set[int], mt: MemoryTracker) -> None:
+        self.n = n
+        self.mt = mt
+        self.block_of = [-1]
+        self.saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
+        self.skip = skip  # parameter and buffer storages: saved, but not activations
+        self.inputs: list[tuple[int, int]] = [(0, 0)] * n  # (ptr, nbytes) of each block's input
+        self.packs = [0] * (n + 2)  # tensors saved per block (index -1 = prefix, n = tail)
+        self.fwd: dict[int, int] = {}  # block -> live bytes when its forward starts
+        self.bwd: dict[int, int] = {}  # block -> live bytes when its backward starts
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packs[self.block_of[0]] += 1
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self.saved and ptr not in self.skip and st.nbytes() > 0:
+            self.saved[ptr] = (self.block_of[0], st.nbytes())
+        return t
+
+    def pre(self, i: int):
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.block_of[0] = i
+            self.mt.mark(f"fwd{i}")
+            self.fwd[i] = self.mt.current_bytes
+            x = _first_tensor((args, kwargs))
+            if x is not None:
+                self.inputs[i] = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
+        return hook
+
+    def post(self, i: int):
+        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+            if i == self.n - 1:
+                self.block_of[0] = self.n
+                self.mt.mark("tail")
+            y = _first_tensor(out)
+            if y is not None and y.requires_grad:
+                def grad_hook(_g: torch.Tensor) -> None:
+                    self.mt.mark(f"bwd{i}")
+                    self.bwd[i] = self.mt.current_bytes
+                y.register_hook(grad_hook)
+        return hook
+
+
 def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device: torch.device,
                  params: list[nn.Parameter]) -> dict[str, Any]:
     n = len(chain)
     for p in params:
         p.grad = None
-    block_of = [-1]  # which block is running: -1 prefix, n tail
-    saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
     skip = {p.untyped_storage().data_ptr() for p in params}
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    inputs: list[tuple[int, int]] = [(0, 0)] * n  # (ptr, nbytes) of each block's input
-    packs = [0] * (n + 2)  # tensors saved per block (index -1 = prefix, n = tail)
-    fwd: dict[int, int] = {}
-    bwd: dict[int, int] = {}
+    mt = MemoryTracker(device)
+    hooks = _MemoryHooks(n, skip, mt)
     handles = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        packs[block_of[0]] += 1
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in saved and ptr not in skip and st.nbytes() > 0:
-            saved[ptr] = (block_of[0], st.nbytes())
-        return t
-
-    with MemoryTracker(device) as mt:
-
-        def pre(i: int):
-            def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-                block_of[0] = i
-                mt.mark(f"fwd{i}")
-                fwd[i] = mt.current_bytes
-                x = _first_tensor((args, kwargs))
-                if x is not None:
-                    inputs[i] = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
-            return hook
-
-        def post(i: int):
-            def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
-                if i == n - 1:
-                    block_of[0] = n
-                    mt.mark("tail")
-                y = _first_tensor(out)
-                if y is not None and y.requires_grad:
-                    def grad_hook(_g: torch.Tensor) -> None:
-                        mt.mark(f"bwd{i}")
-                        bwd[i] = mt.current_bytes
-                    y.register_hook(grad_hook)
-            return hook
-
+    with mt:
         for i, b in enumerate(chain):
-            handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
-            handles.append(b.register_forward_hook(post(i), with_kwargs=True))
-        recorder = _OpRecorder(block_of)
+            handles.append(b.register_forward_pre_hook(hooks.pre(i), with_kwargs=True))
+            handles.append(b.register_forward_hook(hooks.post(i), with_kwargs=True))
+        recorder = _OpRecorder(hooks.block_of)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t), recorder:
                 loss = step_loss(model, example)
             kept_at_fwd_end = [(b, nb, alive) for b, nb, alive in recorder.kept]
             mt.mark("bwd_tail")
@@ -210,9 +223,16 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
         finally:
             for h in handles:
                 h.remove()
-    if len(fwd) != n:
-        raise ValueError(f"the forward called {len(fwd)} of the {n} blocks; pass blocks= in the "
-                         "order the model calls them.")
+    if len(hooks.fwd) != n:
+        raise ValueError(f"the forward called {len(hooks.fwd)} of the {n} blocks; pass blocks= "
+                         "in the order the model calls them.")
+    return _memory_summary(hooks, recorder, kept_at_fwd_end)
+
+
+def _memory_summary(hooks: _MemoryHooks, recorder: _OpRecorder,
+                    kept_at_fwd_end: list[tuple[int, int, bool]]) -> dict[str, Any]:
+    """Per-block byte fields and the prefix/tail/step peaks from what the pass recorded."""
+    n, mt, saved, bwd = hooks.n, hooks.mt, hooks.saved, hooks.bwd
     peaks = mt.phase_peaks
     per_block: list[dict[str, Any]] = []
     tail_peak = max(peaks.get("tail", 0), peaks.get("bwd_tail", 0))
@@ -227,14 +247,14 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
         kept = [(nb, alive) for b, nb, alive in kept_at_fwd_end if b == i]
         op_s = recorder.op_s.get(i, 0.0)
         per_block.append({
-            "input_bytes": inputs[i][1],
+            "input_bytes": hooks.inputs[i][1],
             "saved_bytes": sum(mine.values()),
-            "saves_input": inputs[i][0] in mine,
-            "saved_tensors": packs[i],
+            "saves_input": hooks.inputs[i][0] in mine,
+            "saved_tensors": hooks.packs[i],
             "selective_bytes": sum(nb for nb, _ in kept),
             "selective_unsaved_bytes": sum(nb for nb, alive in kept if not alive),
             "kept_share": recorder.kept_s.get(i, 0.0) / op_s if op_s > 0 else 0.0,
-            "fwd_start_bytes": fwd[i],
+            "fwd_start_bytes": hooks.fwd[i],
             "fwd_peak_bytes": peaks[f"fwd{i}"],
             "bwd_start_bytes": bwd_vals[i][0],
             "bwd_peak_bytes": bwd_vals[i][1],

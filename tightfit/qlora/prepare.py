@@ -174,6 +174,31 @@ def prepare(
             loss_chunks=loss_chunks,  # type: ignore[arg-type]
         )
     lora_opts = None if lora is False else (LoraOptions.coerce(lora) or LoraOptions())
+    dev, cdtype = _check_device_and_policy(options, device)
+    model = _take_model(model_or_path)
+    targets = _lora_target_names(model, lora_opts) if lora_opts is not None else []
+    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets)
+    info.base_numel = sum(p.numel() for p in model.parameters())
+
+    # -- 2. frozen base, 4-bit linears; 3. LoRA -----------------------------------------
+    info.quantized = _quantize_base(model, options, cdtype, dev,
+                                    train_base=lora_opts is None and options.quant is None)
+    if lora_opts is not None:
+        model = _add_lora(model, lora_opts, targets)
+
+    # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
+    info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
+
+    # -- 5. checkpoint plan -------------------------------------------------------------
+    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
+    model.tightfit_info = info  # type: ignore[assignment]
+    return model
+
+
+def _check_device_and_policy(
+    options: PrepareOptions, device: torch.device | str | None
+) -> tuple[torch.device, torch.dtype]:
+    """The device and compute dtype, once the device exists and the policy parses."""
     dev = _auto_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'.")
@@ -181,26 +206,38 @@ def prepare(
         from tightfit.checkpoint.plan import parse_policy
 
         parse_policy(options.checkpoint)  # raises ValueError naming the valid policies
-    cdtype = options.torch_compute_dtype(dev)
+    return dev, options.torch_compute_dtype(dev)
 
+
+def _take_model(model_or_path: nn.Module | str | os.PathLike[str]) -> nn.Module:
     if isinstance(model_or_path, (str, os.PathLike)):
-        model = load_causal_lm(model_or_path)
-    elif isinstance(model_or_path, nn.Module):
-        model = model_or_path
-    else:
-        raise TypeError(
-            f"prepare() takes an nn.Module or a model folder path, got "
-            f"{type(model_or_path).__name__}."
-        )
-    targets = _lora_target_names(model, lora_opts) if lora_opts is not None else []
-    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets)
-    info.base_numel = sum(p.numel() for p in model.parameters())
+        return load_causal_lm(model_or_path)
+    if isinstance(model_or_path, nn.Module):
+        return model_or_path
+    raise TypeError(
+        f"prepare() takes an nn.Module or a model folder path, got "
+        f"{type(model_or_path).__name__}."
+    )
 
-    # -- 2. frozen base, 4-bit linears ------------------------------------------------
+
+def _quantize_base(
+    model: nn.Module,
+    options: PrepareOptions,
+    cdtype: torch.dtype,
+    dev: torch.device,
+    *,
+    train_base: bool,
+) -> list[str]:
+    """Freeze the base (unless ``train_base``), swap its linears for 4-bit ones, move it.
+
+    Returns:
+        The qualified names of the layers now in 4 bits.
+    """
     for p in model.parameters():
-        p.requires_grad_(lora_opts is None and options.quant is None)
+        p.requires_grad_(train_base)
+    quantized: list[str] = []
     if options.quant is not None:
-        info.quantized = quantize_linears(
+        quantized = quantize_linears(
             model,
             quant_type=options.quant,
             double_quant=options.double_quant,
@@ -213,34 +250,28 @@ def prepare(
         if p.is_floating_point() and p.dtype != cdtype:
             p.data = p.data.to(cdtype)
     model.to(dev)
+    return quantized
 
-    # -- 3. LoRA ----------------------------------------------------------------------
-    if lora_opts is not None:
-        from peft import LoraConfig, get_peft_model
 
-        cfg = LoraConfig(
-            r=lora_opts.r,
-            lora_alpha=lora_opts.alpha,
-            lora_dropout=lora_opts.dropout,
-            target_modules=targets,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        with warnings.catch_warnings():
-            # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
-            # FutureWarning is about peft's code, not the user's, so it is only noise here.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-            # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice):
-            # peft upcasts bf16/fp16 adapters itself (autocast_adapter_dtype, on by default).
-            model = get_peft_model(model, cfg)
+def _add_lora(model: nn.Module, lora: LoraOptions, targets: list[str]) -> nn.Module:
+    """``model`` wrapped by peft with LoRA adapters on ``targets``."""
+    from peft import LoraConfig, get_peft_model
 
-    # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
-    info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
-
-    # -- 5. checkpoint plan -------------------------------------------------------------
-    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
-    model.tightfit_info = info  # type: ignore[assignment]
-    return model
+    cfg = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
+        # FutureWarning is about peft's code, not the user's, so it is only noise here.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice):
+        # peft upcasts bf16/fp16 adapters itself (autocast_adapter_dtype, on by default).
+        return get_peft_model(model, cfg)
 
 
 def _move_example(example: Any, dev: torch.device) -> Any:

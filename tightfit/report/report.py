@@ -181,13 +181,19 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Optimizer state bytes per tier: the paged optimizer's ``memory_stats()``, or (any
-    other optimizer) its state tensors counted, all on the device tier."""
+    """Optimizer state bytes, and bytes per tier.
+
+    A paged optimizer's ``memory_stats()``: ``state`` is its pages' bytes; ``device`` also
+    holds the streaming window's buffers, so the tiers add up to more than the state when it
+    pages. Any other optimizer: its state tensors counted, all on the device tier.
+    """
     stats = getattr(optimizer, "memory_stats", None)
     if callable(stats):
         s = stats()
         get = s.get if isinstance(s, Mapping) else lambda k, d=0: getattr(s, k, d)
+        tiers = int(get("device_bytes", 0)) + int(get("host_bytes", 0)) + int(get("disk_bytes", 0))
         return {
+            "state": int(get("state_bytes", tiers)),
             "device": int(get("device_bytes", 0)),
             "host": int(get("host_bytes", 0)),
             "disk": int(get("disk_bytes", 0)),
@@ -202,7 +208,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
         for t in st.values()
         if isinstance(t, torch.Tensor)
     )
-    return {"device": total, "host": 0, "disk": 0, "peak_device": total,
+    return {"state": total, "device": total, "host": 0, "disk": 0, "peak_device": total,
             "paged_in": 0, "paged_out": 0, "page_faults": 0}
 
 
@@ -255,11 +261,10 @@ def measure_report(
     ]
     if optimizer is not None:
         tiers = optimizer_state_bytes(optimizer)
-        state = tiers["device"] + tiers["host"] + tiers["disk"]
         rows.append(Piece(
             "optimizer state", "optimizer-state spikes (OOM mid-run)",
             "full AdamW (fp32)", base_numel * 2 * pieces.FP32_BYTES,
-            f"{type(optimizer).__name__} (LoRA)", state, tiers,
+            f"{type(optimizer).__name__} (LoRA)", tiers.pop("state"), tiers,
         ))
     meta = {
         "model": type(_base(model)).__name__,

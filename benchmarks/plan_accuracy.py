@@ -17,7 +17,8 @@ from pathlib import Path
 
 from environment import cpu_model, load_text, versions_text
 
-from tightfit.planner.activations import plan_peak, policy_segments
+from tightfit.checkpoint.plan import structural_segments
+from tightfit.planner.activations import plan_peak
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.setup import TrainSetup
 from tightfit.planner.verify import compare
@@ -27,14 +28,15 @@ TIED = ModelShape("h96-i256-L4-gqa3-tied", 96, 256, 4, 3, 1, 2048, tie_embedding
 MHA = ModelShape("h192-i512-L3-mha", 192, 512, 3, 6, 6, 512)
 
 CASES = [
-    (GQA, dict(compute_dtype="fp32", quant="nf4", double_quant=True)),
-    (TIED, dict(compute_dtype="bf16", quant="nf4", double_quant=False, optimizer="adamw8bit")),
-    (MHA, dict(compute_dtype="bf16", quant="none", loss_chunk_tokens=16,
+    (GQA, dict(compute_dtype="float32", quant="nf4", double_quant=True)),
+    (TIED, dict(compute_dtype="bfloat16", quant="nf4", double_quant=False,
+                optimizer="paged_adamw8bit")),
+    (MHA, dict(compute_dtype="bfloat16", quant="none", loss_chunk_tokens=16,
                optimizer="paged_adamw8bit")),
-    (MHA, dict(compute_dtype="bf16", quant="nf4", loss_chunk_tokens=16)),
-    (GQA, dict(compute_dtype="bf16", quant="nf4", lora_dropout=0.1)),
-    (GQA, dict(compute_dtype="bf16", quant="nf4", lora_targets=("q_proj", "v_proj"))),
-    (GQA, dict(compute_dtype="fp32", quant="int8")),
+    (MHA, dict(compute_dtype="bfloat16", quant="nf4", loss_chunk_tokens=16)),
+    (GQA, dict(compute_dtype="bfloat16", quant="nf4", lora_dropout=0.1)),
+    (GQA, dict(compute_dtype="bfloat16", quant="nf4", lora_targets=("q_proj", "v_proj"))),
+    (GQA, dict(compute_dtype="float32", quant="int8")),
 ]
 
 
@@ -61,8 +63,8 @@ def main() -> None:
     ]
     for shape, kw in CASES[:1] if args.quick else CASES:
         setup = TrainSetup(seq_len=32, batch=2, lora_r=8, **kw)
-        none = sum(plan_peak(shape, setup, policy_segments("none", shape.layers)))
-        every = sum(plan_peak(shape, setup, policy_segments("every", shape.layers)))
+        none = sum(plan_peak(shape, setup, structural_segments("none", None, shape.layers)))
+        every = sum(plan_peak(shape, setup, structural_segments("every", None, shape.layers)))
         setup = setup.with_(checkpoint_budget=(none + every) // 2)
         label = ", ".join(f"{k}={v}" for k, v in kw.items())
         for policy, rows in compare(shape, setup, ("none", "every", "sqrt", "budget")).items():

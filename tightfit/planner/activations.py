@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from tightfit.checkpoint.plan import Segment, parse_policy, structural_segments, uniform_segments
+
 if TYPE_CHECKING:
     from tightfit.planner.presets import ModelShape
     from tightfit.planner.setup import TrainSetup
@@ -39,45 +41,6 @@ if TYPE_CHECKING:
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.
 BWD_I = 2.0
 BWD_H16 = 2.5
-
-# A segment: (first layer, stop layer, checkpointed?)
-Segment = tuple[int, int, bool]
-POLICIES = ("none", "every", "sqrt", "uniform:k", "budget")
-
-
-def parse_policy(policy: str) -> tuple[str, int | None]:
-    """Validate a checkpoint policy name; ``"uniform:4"`` → ``("uniform", 4)``."""
-    if not isinstance(policy, str):
-        raise TypeError(f"checkpoint policy must be a string, one of {POLICIES}; got {policy!r}.")
-    if policy.startswith("uniform"):
-        _, _, k = policy.partition(":")
-        if not k.isdigit() or int(k) < 1:
-            raise ValueError(f"checkpoint policy {policy!r}: write 'uniform:k' with k >= 1.")
-        return "uniform", int(k)
-    if policy in ("none", "every", "sqrt", "budget"):
-        return policy, None
-    raise ValueError(f"unknown checkpoint policy {policy!r}; choose one of {', '.join(POLICIES)}.")
-
-
-def uniform_segments(n: int, k: int) -> tuple[Segment, ...]:
-    """``k`` checkpointed segments of near-equal length (as tightfit.checkpoint cuts them)."""
-    k = max(1, min(k, n))
-    bounds = [round(j * n / k) for j in range(k + 1)]
-    return tuple((a, b, True) for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
-
-
-def policy_segments(policy: str, n: int) -> tuple[Segment, ...]:
-    """The segments of a structural policy (everything but ``budget``)."""
-    name, k = parse_policy(policy)
-    if name == "none":
-        return ((0, n, False),)
-    if name == "every":
-        return uniform_segments(n, n)
-    if name == "sqrt":
-        return uniform_segments(n, max(1, round(math.sqrt(n))))
-    if name == "uniform":
-        return uniform_segments(n, k or 1)
-    raise ValueError("the 'budget' policy is solved, not structural; call activation_peak().")
 
 
 # -- per-layer terms -----------------------------------------------------------------
@@ -156,13 +119,14 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     are live together (12·T·V bytes), plus the logits themselves (T·V·d) when the caller
     keeps the model output alive through backward. Chunked: the prediction of
     :func:`tightfit.loss.sizing.predict_head_loss_bytes` (one chunk's logits and copies,
-    plus the hidden-state gradient), which that module checks against the tracker.
+    plus the hidden-state gradient), checked against the tracker in
+    ``tests/loss/test_sizing.py``.
     """
     t, v, d = setup.tokens, shape.vocab, setup.d
     if setup.loss_chunk_tokens is None:
         return 12 * t * v + (t * v * d if setup.keep_logits else 0)
     from tightfit.loss.sizing import predict_head_loss_bytes
-    from tightfit.planner.setup import torch_dtype
+    from tightfit.measure.dtypes import torch_dtype
 
     return predict_head_loss_bytes(
         v, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype), hidden_size=shape.hidden,
@@ -196,9 +160,22 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
 
     The peak is the largest of (1) the start of backward — every stored segment's saved
     tensors, every checkpointed segment's input, and the head + loss at its peak —, (2) the
-    final norm's backward right after, and (3) each segment's backward — the segments before it, its own input,
-    its recomputed saved tensors and the backward transients.
+    final norm's backward right after, and (3) each segment's backward — the segments before
+    it, its own input, its recomputed saved tensors and the backward transients.
+
+    Args:
+        shape: The architecture.
+        setup: The pieces and the batch.
+        segments: The plan's segments (:class:`~tightfit.checkpoint.plan.Segment`), in
+            order over the layers, each ``"stored"`` or ``"checkpoint"``.
+
+    Raises:
+        ValueError: A ``"selective"`` segment (the planner does not model it).
     """
+    if any(seg.kind == "selective" for seg in segments):
+        raise ValueError("selective checkpoint segments are not modelled by the planner; pass "
+                         "stored / checkpoint segments (policies none, every, sqrt, uniform:k, "
+                         "budget).")
     a_first = layer_saved_bytes(shape, setup, first=True)
     a_rest = layer_saved_bytes(shape, setup)
     x = layer_input_bytes(shape, setup)
@@ -211,7 +188,7 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
 
     head = head_loss_bytes(shape, setup)
     trans = backward_transient_bytes(shape, setup)
-    kept = [saved(s, e) if not ck else x for s, e, ck in segments]
+    kept = [x if seg.kind == "checkpoint" else saved(seg.start, seg.stop) for seg in segments]
     start_of_backward = sum(kept) + final_norm_bytes(shape, setup)
     extra = quantized_backward_extra_bytes(shape, setup)
     best_layers, best_head = start_of_backward, head
@@ -221,7 +198,8 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
     norm_backward = start_of_backward + extra + t * h * setup.d + 2 * t * h * 4
     if norm_backward > best_layers + best_head:
         best_layers, best_head = norm_backward, 0
-    for j, (s, e, ck) in enumerate(segments):
+    for j, seg in enumerate(segments):
+        s, e, ck = seg.start, seg.stop, seg.kind == "checkpoint"
         before = sum(kept[:j]) + extra
         own = saved(s, e) - (dup if ck and s > 0 else 0)
         if ck and setup.d != 4:
@@ -241,7 +219,7 @@ def recompute_fraction(shape: ModelShape, setup: TrainSetup, segments: tuple[Seg
     """
     layer = sum(fi * fo for fi, fo in shape.linear_shapes().values())
     head = shape.vocab * shape.hidden
-    recomputed = sum(e - s for s, e, ck in segments if ck) * layer
+    recomputed = sum(len(seg) for seg in segments if seg.kind == "checkpoint") * layer
     if setup.loss_chunk_tokens is not None:
         recomputed += head
     return recomputed / (2 * (shape.layers * layer + head))
@@ -260,8 +238,10 @@ def budget_segments(shape: ModelShape, setup: TrainSetup, budget: int) -> tuple[
     for k in range(1, n + 1):
         for stored in range(n, -1, -1):
             rest = n - stored
-            segs: list[Segment] = [(0, stored, False)] if stored else []
-            segs += [(stored + a, stored + b, True) for a, b, _ in uniform_segments(rest, math.ceil(rest / k))] if rest else []
+            segs = [Segment(0, stored, "stored")] if stored else []
+            if rest:
+                segs += [Segment(stored + c.start, stored + c.stop, "checkpoint")
+                         for c in uniform_segments(rest, math.ceil(rest / k))]
             layers, head = plan_peak(shape, setup, tuple(segs))
             peak = layers + head
             if peak <= budget:
@@ -280,12 +260,12 @@ def activation_peak(
     A ``budget`` plan that cannot fit falls back to every-layer checkpointing (the
     smallest plan), whose peak then exceeds the budget: callers compare against it.
     """
-    name, _ = parse_policy(setup.checkpoint)
+    name, k = parse_policy(setup.checkpoint)
     if name == "budget":
         segments = budget_segments(shape, setup, int(setup.checkpoint_budget or 0))
         if segments is None:
-            segments = policy_segments("every", shape.layers)
+            segments = structural_segments("every", None, shape.layers)
     else:
-        segments = policy_segments(setup.checkpoint, shape.layers)
+        segments = structural_segments(name, k, shape.layers)
     layers, head = plan_peak(shape, setup, segments)
     return layers, head, segments, recompute_fraction(shape, setup, segments)

@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 
+from tightfit.measure.dtypes import DTYPE_NAMES, SHORT_NAMES
 from tightfit.planner.setup import ALL_LINEAR
 
 _VERIFY_MAX_PARAMS = 60_000_000
@@ -38,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
     parser.add_argument("--lora-targets", default="all-linear",
                         help="comma-separated linear names or all-linear (default)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                        help="compute dtype (default: bf16)")
+    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPE_NAMES, *SHORT_NAMES],
+                        help="compute dtype, as tightfit train's --compute-dtype; the short "
+                        "forms bf16, fp16, fp32 also work (default: bfloat16)")
     parser.add_argument("--overhead", default="1GiB", metavar="SIZE",
                         help="fixed non-tensor device memory: CUDA context, workspaces (default: 1GiB)")
     parser.add_argument("--slack", type=float, default=0.05,

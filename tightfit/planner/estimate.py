@@ -22,7 +22,7 @@ from tightfit.planner.presets import ModelShape
 from tightfit.planner.setup import TrainSetup
 
 if TYPE_CHECKING:
-    pass
+    from tightfit.checkpoint.plan import Segment
 
 GiB = 1024**3
 MiB = 1024**2
@@ -109,7 +109,7 @@ def optimizer_state_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """
     sizes = lora_tensor_sizes(shape, setup)
     a = setup.a
-    if setup.optimizer in ("adamw", "paged_adamw"):
+    if not setup.optimizer.endswith("8bit"):
         return sum(2 * a * n + 4 for n in sizes)
     # qmap1, qmap2: shared by every 8-bit parameter
     total = 2 * 256 * 4 if any(n >= OPT8_MIN_SIZE for n in sizes) else 0
@@ -169,7 +169,7 @@ class Estimate:
     activations: int
     logits_loss: int
     overhead: int
-    segments: tuple[tuple[int, int, bool], ...] = field(default=())
+    segments: tuple[Segment, ...] = field(default=())
     recompute_fraction: float = 0.0
 
     PIECES = ("weights", "constants", "lora", "grads", "optimizer", "activations",

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Estimate, Overhead, estimate
 from tightfit.planner.presets import ModelShape, load_shape
-from tightfit.planner.setup import TrainSetup, torch_dtype
+from tightfit.planner.setup import TrainSetup
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
 
@@ -116,7 +117,7 @@ def plan(
     batch: int = 1,
     lora_r: int = 16,
     lora_targets: tuple[str, ...] | None = None,
-    compute_dtype: str = "bf16",
+    compute_dtype: str = "bfloat16",
     overhead: str | int = "1GiB",
     slack: float = 0.05,
     gpu_tflops: float = DEFAULT_GPU_TFLOPS,
@@ -132,7 +133,8 @@ def plan(
         batch: Sequences per step.
         lora_r: LoRA rank.
         lora_targets: Linear layers that get adapters (default: all seven).
-        compute_dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or ``"bf16"``,
+            ``"fp16"``, ``"fp32"``).
         overhead: Fixed device memory that is not tensors (CUDA context, workspaces).
         slack: Allocator slack, a fraction of the tensor bytes.
         gpu_tflops: Effective matmul throughput, for the paging slowdown estimate.

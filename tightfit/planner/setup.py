@@ -1,4 +1,9 @@
-"""What the planner is asked about: one way to fine-tune (:class:`TrainSetup`), and its names."""
+"""What the planner is asked about: one way to fine-tune (:class:`TrainSetup`), and its names.
+
+The names are tightfit's own: dtypes as :mod:`tightfit.measure.dtypes` spells them (short
+forms accepted), optimizers by their :mod:`tightfit.optim.registry` kind, checkpoint policies
+as :mod:`tightfit.checkpoint.plan` parses them — the values ``tightfit train`` takes.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,21 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from tightfit.checkpoint.plan import parse_policy
+from tightfit.measure.dtypes import DTYPE_BYTES, DtypeName, dtype_name
 
 if TYPE_CHECKING:
-    import torch
+    from tightfit.optim.registry import OptimizerKind
 
-DtypeName = Literal["fp32", "bf16", "fp16"]
 QuantName = Literal["none", "int8", "nf4"]
-OptimizerName = Literal["adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"]
+# The registry kinds whose state the memory model counts: torch's AdamW, the paged AdamW and
+# the paged 8-bit AdamW (bitsandbytes' blockwise layout). Lion, SGD, ... are not modelled.
+PLANNED_OPTIMIZERS: tuple[OptimizerKind, ...] = ("adamw", "paged_adamw", "paged_adamw8bit")
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ALL_LINEAR: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
+
+
 @dataclass(frozen=True)
 class TrainSetup:
     """One way to fine-tune: which memory pieces are on, and the batch.
@@ -26,7 +33,9 @@ class TrainSetup:
     Attributes:
         seq_len: Tokens per sequence.
         batch: Sequences per step (micro-batch).
-        compute_dtype: Dtype of activations and unquantized weights.
+        compute_dtype: Dtype of activations and unquantized weights (``"bfloat16"``,
+            ``"float16"``, ``"float32"``; the short forms ``"bf16"`` ... are stored under
+            these names).
         quant: Storage of the decoder layers' linear weights (embeddings, head and norms
             always stay in ``compute_dtype``).
         double_quant: NF4 constants quantized again (8-bit absmax + fp32 per 256 blocks).
@@ -37,9 +46,11 @@ class TrainSetup:
         adapter_dtype: Dtype of the adapters; peft keeps them in fp32 by default
             (``autocast_adapter_dtype``), which makes each adapter save an fp32 copy of its
             input when the compute dtype is 16-bit.
-        checkpoint: ``none``, ``every``, ``sqrt``, ``uniform:k`` or ``budget``.
+        checkpoint: ``none``, ``every``, ``sqrt``, ``uniform:k`` or ``budget`` (the policies
+            of :mod:`tightfit.checkpoint.plan`; ``selective`` is not modelled and refused).
         checkpoint_budget: Activation bytes for ``budget`` (layers + head/loss).
-        optimizer: Optimizer of the trainable (LoRA) parameters.
+        optimizer: Optimizer of the trainable (LoRA) parameters, a registry kind from
+            :data:`PLANNED_OPTIMIZERS`.
         optimizer_device_budget: Device bytes a paged optimizer may keep resident
             (``None``: all of it).
         loss_chunk_tokens: Tokens per chunk of the chunked LM head + loss (``None``: the
@@ -50,17 +61,17 @@ class TrainSetup:
 
     seq_len: int = 2048
     batch: int = 1
-    compute_dtype: DtypeName = "bf16"
+    compute_dtype: DtypeName = "bfloat16"
     quant: QuantName = "nf4"
     double_quant: bool = True
     blocksize: int = 64
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ALL_LINEAR
     lora_dropout: float = 0.0
-    adapter_dtype: DtypeName = "fp32"
+    adapter_dtype: DtypeName = "float32"
     checkpoint: str = "none"
     checkpoint_budget: int | None = None
-    optimizer: OptimizerName = "adamw"
+    optimizer: OptimizerKind = "adamw"
     optimizer_device_budget: int | None = None
     loss_chunk_tokens: int | None = None
     keep_logits: bool = False
@@ -71,14 +82,16 @@ class TrainSetup:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
         for name in ("compute_dtype", "adapter_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
-                raise ValueError(f"{name} must be one of {list(DTYPE_BYTES)}, got {getattr(self, name)!r}.")
+            # a short form ("bf16") is accepted and kept under its canonical name
+            object.__setattr__(self, name, dtype_name(getattr(self, name), what=name))
         if self.quant not in ("none", "int8", "nf4"):
             raise ValueError(f"quant must be 'none', 'int8' or 'nf4', got {self.quant!r}.")
-        if self.optimizer not in ("adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"):
+        if self.optimizer not in PLANNED_OPTIMIZERS:
+            hint = (" (tightfit's 8-bit AdamW is the paged one: 'paged_adamw8bit')"
+                    if self.optimizer == "adamw8bit" else "")
             raise ValueError(
-                f"optimizer must be adamw, adamw8bit, paged_adamw or paged_adamw8bit, got "
-                f"{self.optimizer!r}."
+                f"optimizer {self.optimizer!r} is not one the planner models{hint}; choose "
+                f"{', '.join(PLANNED_OPTIMIZERS)} (tightfit train's --optimizer names)."
             )
         bad = [t for t in self.lora_targets if t not in ALL_LINEAR]
         if bad or not self.lora_targets:
@@ -117,10 +130,3 @@ class TrainSetup:
         """A copy with some fields changed."""
         return replace(self, **changes)
 
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a short dtype name (``"bf16"`` → ``torch.bfloat16``); torch is
-    imported on first use, so the memory model itself stays torch-free."""
-    import torch
-
-    return getattr(torch, DTYPE_NAMES[name])

@@ -36,7 +36,9 @@ class Row:
             "paging_bytes_per_step": self.paging_bytes_per_step,
             "slowdown": round(self.slowdown, 3),
             "recompute_fraction": round(e.recompute_fraction, 4),
-            "checkpoint_segments": [list(s) for s in e.segments],
+            # [start, stop, checkpointed] per segment (docs/plan.md)
+            "checkpoint_segments": [[s.start, s.stop, s.kind == "checkpoint"]
+                                    for s in e.segments],
             "setup": {k: (list(v) if isinstance(v, tuple) else v)
                       for k, v in vars(self.setup).items()},
             "train_args": list(self.train_args),
@@ -126,9 +128,9 @@ def render(report: PlanReport) -> str:
         e = r.estimate
         extra = []
         if e.segments and r.setup.checkpoint != "none":
-            ck = sum(b - a for a, b, c in e.segments if c)
-            extra.append(f"checkpoint {r.setup.checkpoint}: {ck}/{s.layers} layers recomputed "
-                         f"in {sum(c for _, _, c in e.segments)} segments")
+            ck = [seg for seg in e.segments if seg.kind == "checkpoint"]
+            extra.append(f"checkpoint {r.setup.checkpoint}: {sum(map(len, ck))}/{s.layers} "
+                         f"layers recomputed in {len(ck)} segments")
         if r.setup.loss_chunk_tokens:
             extra.append(f"loss in chunks of {r.setup.loss_chunk_tokens} tokens")
         if e.optimizer_offloaded:

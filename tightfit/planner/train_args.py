@@ -1,19 +1,14 @@
 """The ``tightfit train`` options that select a planned configuration.
 
 The flag names are those ``tightfit train`` generates from its option dataclasses
-(:mod:`tightfit.qlora.options`, :mod:`tightfit.optim.registry`, :mod:`tightfit.train.loop`).
+(:mod:`tightfit.qlora.options`, :mod:`tightfit.optim.registry`, :mod:`tightfit.train.loop`);
+the values need no translation: a :class:`TrainSetup` holds the same dtype names
+(:mod:`tightfit.measure.dtypes`) and optimizer kinds (the registry's).
 """
 
 from __future__ import annotations
 
-from tightfit.planner.setup import ALL_LINEAR, DTYPE_NAMES, TrainSetup
-
-_OPTIMIZER_FLAG = {
-    "adamw": "adamw",
-    "adamw8bit": "paged_adamw8bit",  # tightfit's 8-bit AdamW is the paged one
-    "paged_adamw": "paged_adamw",
-    "paged_adamw8bit": "paged_adamw8bit",
-}
+from tightfit.planner.setup import ALL_LINEAR, TrainSetup
 
 
 def train_args(setup: TrainSetup) -> tuple[str, ...]:
@@ -21,7 +16,7 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     args = [
         "--seq-len", str(setup.seq_len),
         "--batch-size", str(setup.batch),
-        "--compute-dtype", DTYPE_NAMES[setup.compute_dtype],
+        "--compute-dtype", setup.compute_dtype,
         "--quant", "nf4" if setup.quant == "nf4" else "none",
     ]
     if setup.quant == "nf4":
@@ -34,7 +29,7 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
         args += ["--checkpoint-budget", str(setup.checkpoint_budget)]
     args += ["--loss-chunks",
              "none" if setup.loss_chunk_tokens is None else str(setup.loss_chunk_tokens)]
-    args += ["--optimizer", _OPTIMIZER_FLAG[setup.optimizer]]
+    args += ["--optimizer", setup.optimizer]
     if setup.paged and setup.optimizer_device_budget is not None:
         args += ["--device-budget", str(setup.optimizer_device_budget)]
     return tuple(args)

@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from tightfit.checkpoint.plan import Plan, Segment
+from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.planner.activations import Segment, head_loss_bytes, policy_segments
+from tightfit.planner.activations import activation_peak, head_loss_bytes
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import DTYPE_NAMES, TrainSetup, torch_dtype
+from tightfit.planner.setup import TrainSetup
+
+if TYPE_CHECKING:
+    from tightfit.planner.table import PlanReport
 
 
 @dataclass(frozen=True)
@@ -103,13 +109,13 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
     torch.manual_seed(seed)
     dtype = torch_dtype(setup.compute_dtype)
     model = _llama(shape, dtype)
-    if setup.quant != "int8" and setup.adapter_dtype == "fp32":
+    if setup.quant != "int8" and setup.adapter_dtype == "float32":
         from tightfit.qlora.prepare import prepare
 
         return prepare(
             model, quant="nf4" if setup.quant == "nf4" else None,
             double_quant=setup.double_quant, blocksize=setup.blocksize,
-            compute_dtype=DTYPE_NAMES[setup.compute_dtype],
+            compute_dtype=setup.compute_dtype,
             lora={"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
                   "target_modules": tuple(setup.lora_targets)},
             checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
@@ -120,7 +126,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
         _quantize(model, setup, dtype)
     lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r,
                       target_modules=list(setup.lora_targets), lora_dropout=setup.lora_dropout)
-    model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "fp32")
+    model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "float32")
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = p.data.to(torch_dtype(setup.adapter_dtype))
@@ -159,13 +165,9 @@ def _apply_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
     """Install ``segments`` as a :mod:`tightfit.checkpoint` plan (its recompute path)."""
     from tightfit.checkpoint import apply
     from tightfit.checkpoint.blocks import resolve_blocks
-    from tightfit.checkpoint.plan import Plan
-    from tightfit.checkpoint.plan import Segment as CkSegment
 
     apply.uninstall(model)
-    plan = Plan("verify", tuple(CkSegment(a, b, "checkpoint" if ck else "stored")
-                                for a, b, ck in segments))
-    apply.install(model, resolve_blocks(model, None), plan)
+    apply.install(model, resolve_blocks(model, None), Plan("verify", tuple(segments)))
 
 
 def _remove_segments(model: nn.Module) -> None:
@@ -175,11 +177,7 @@ def _remove_segments(model: nn.Module) -> None:
 
 
 def _optimizer(model: nn.Module, setup: TrainSetup) -> torch.optim.Optimizer:
-    """tightfit's optimizer for the setup (``adamw8bit`` unpaged: bitsandbytes' AdamW8bit)."""
-    if setup.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    """tightfit's optimizer for the setup, built by the registry as ``tightfit train`` does."""
     from tightfit.optim.registry import optimizer_for
 
     return optimizer_for(model, setup.optimizer, lr=1e-4,
@@ -226,18 +224,20 @@ def measure(shape: ModelShape, setup: TrainSetup,
     """Run real training steps of ``setup`` on the CPU and measure every piece.
 
     One model is built; each checkpoint plan in ``plans`` (name → segments; default: the
-    setup's own structural policy) gets one forward + backward on the same batch. The
+    plan the memory model picks for the setup's own policy) gets one forward + backward on
+    the same batch. The
     gradients exist before the measured step (as after ``zero_grad(set_to_none=False)``),
     so the activation peak is what the step allocates beyond weights and gradients.
 
     Args:
         shape: A small architecture (this allocates it for real).
         setup: The pieces and the batch.
-        plans: Checkpoint plans to measure, e.g. ``{"every": policy_segments("every", n)}``.
+        plans: Checkpoint plans to measure, e.g.
+            ``{"every": structural_segments("every", None, n)}`` (:mod:`tightfit.checkpoint.plan`).
         seed: Seed of the random weights and batch.
     """
     if plans is None:
-        plans = {setup.checkpoint: policy_segments(setup.checkpoint, shape.layers)}
+        plans = {setup.checkpoint: activation_peak(shape, setup)[2]}
     model = build_model(shape, setup, seed=seed)
     model.train()
     consts = _quant_state_tensors(model)
@@ -327,7 +327,7 @@ def relative_error(predicted: int, measured: int) -> float:
     return abs(predicted - measured) / measured
 
 
-def verify_report(report) -> list[dict]:  # noqa: ANN001 - a PlanReport (import cycle)
+def verify_report(report: PlanReport) -> list[dict[str, Any]]:
     """Measure every configuration of a plan on this machine (small configs only).
 
     Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows,
@@ -341,7 +341,7 @@ def verify_report(report) -> list[dict]:  # noqa: ANN001 - a PlanReport (import 
     return out
 
 
-def format_verify(verified: list[dict]) -> str:
+def format_verify(verified: list[dict[str, Any]]) -> str:
     """Predicted vs measured bytes per piece, one block per configuration."""
     from tightfit.measure.sizes import format_bytes
 

@@ -12,9 +12,11 @@ from typing import Any, Literal
 
 import torch
 
+from tightfit.measure.dtypes import DtypeName, dtype_name, torch_dtype
+
 QuantKind = Literal["nf4", "fp4"]
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto" picks per device; the rest is the one dtype vocabulary (tightfit.measure.dtypes)
+ComputeDtypeName = Literal["auto", DtypeName]
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class PrepareOptions:
         metadata={"help": "quantize the quantization constants too (about 0.5 -> 0.127 bits/param)"},
     )
     blocksize: int = field(default=64, metadata={"help": "4-bit quantization block size"})
-    compute_dtype: DtypeName = field(
+    compute_dtype: ComputeDtypeName = field(
         default="auto",
         metadata={"help": "dtype of the matmuls: auto = bfloat16 on CUDA, float32 on the CPU"},
     )
@@ -103,11 +105,10 @@ class PrepareOptions:
     def __post_init__(self) -> None:
         if self.quant not in (None, "nf4", "fp4"):
             raise ValueError(f"quant must be 'nf4', 'fp4' or None, got {self.quant!r}.")
-        if self.compute_dtype not in ("auto", *_DTYPES):
-            raise ValueError(
-                f"compute_dtype must be one of auto/float32/bfloat16/float16, "
-                f"got {self.compute_dtype!r}."
-            )
+        if self.compute_dtype != "auto":
+            # a short form ("bf16") is accepted and kept under its canonical name
+            canonical = dtype_name(self.compute_dtype, what="compute_dtype (or 'auto')")
+            object.__setattr__(self, "compute_dtype", canonical)
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             raise ValueError(f"blocksize must be a power of two in 32..4096, got {self.blocksize}.")
         if self.checkpoint_budget is not None and self.checkpoint_budget <= 0:
@@ -121,4 +122,4 @@ class PrepareOptions:
         """The compute dtype as a torch dtype, ``auto`` resolved for ``device``."""
         if self.compute_dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.compute_dtype]
+        return torch_dtype(self.compute_dtype)

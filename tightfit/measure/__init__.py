@@ -1,1 +1,1 @@
-"""tightfit.measure: live-byte tracking (CPU and CUDA), byte sizes, dtype names; the lowest level."""
+"""tightfit.measure: live-byte tracking (CPU and CUDA), byte sizes and dtype names; lowest level."""

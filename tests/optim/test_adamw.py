@@ -7,6 +7,8 @@ import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 
+from ..tiers.counting import count_copies
+
 PAGE = 32 << 10
 SIZES = [1, 7, 4097, 30_011]
 
@@ -38,30 +40,32 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_matches_torch_over_50_steps(monkeypatch, paged_cls, torch_cls, budget, slabs) -> None:
     # default: slabs on the CPU; page-buffers: one buffer per page, the format CUDA uses
     monkeypatch.setattr(PagedAdamW, "_slabs", slabs)
-    _compare(paged_cls, torch_cls, budget, SIZES, PAGE)
+    _compare(monkeypatch, paged_cls, torch_cls, budget, SIZES, PAGE)
 
 
 @pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
 @pytest.mark.parametrize(("paged_cls", "torch_cls"), [(PagedAdamW, torch.optim.AdamW),
                                                       (PagedAdam, torch.optim.Adam)])
-def test_matches_torch_1m_params(paged_cls, torch_cls, budget) -> None:
-    _compare(paged_cls, torch_cls, budget, [1, 7, 4097, 1_000_003], 1 << 20)
+def test_matches_torch_1m_params(monkeypatch, paged_cls, torch_cls, budget) -> None:
+    _compare(monkeypatch, paged_cls, torch_cls, budget, [1, 7, 4097, 1_000_003], 1 << 20)
 
 
-def _compare(paged_cls, torch_cls, budget: str, sizes: list[int], page: int) -> None:
+def _compare(monkeypatch, paged_cls, torch_cls, budget: str, sizes: list[int], page: int) -> None:
+    count_copies(monkeypatch)
     ref = [torch.randn(n) for n in sizes]
     ours = [p.clone() for p in ref]
     state_bytes = sum(sizes[i] * 8 for i in (0, 2)) + sum(sizes[i] * 12 for i in (1, 3))
     limit = _budget(budget, state_bytes, page)
     ref_opt = torch_cls(_groups(ref), foreach=False)
     opt = paged_cls(_groups(ours), page_bytes=page, device_budget=limit)
+    engine = opt.pager.engine
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=10, gamma=0.5) for o in (ref_opt, opt)]
     gen = torch.Generator().manual_seed(1)
     for step in range(50):
         for r, o in zip(ref, ours):
             g = torch.randn(r.shape, generator=gen) * (1.0 if step % 3 else 1e-3)
             r.grad, o.grad = g, g.clone()
-        before = opt.memory_stats()
+        before, copied = opt.memory_stats(), engine.counts()
         ref_opt.step()
         opt.step()
         after = opt.memory_stats()
@@ -71,6 +75,8 @@ def _compare(paged_cls, torch_cls, budget: str, sizes: list[int], page: int) -> 
         moved_in = after["bytes_paged_in"] - before["bytes_paged_in"]
         moved_out = after["bytes_paged_out"] - before["bytes_paged_out"]
         assert moved_in == moved_out == after["disk_bytes"]
+        # ... and so does the copy engine, counting what it copied
+        assert [b - a for a, b in zip(copied, engine.counts())] == [after["disk_bytes"]] * 2 + [0]
         assert after["peak_device_bytes"] <= (opt.pager.device_budget or after["state_bytes"])
     for r, o in zip(ref, ours):
         assert _rel(o, r) <= 1e-6
@@ -82,6 +88,7 @@ def _compare(paged_cls, torch_cls, budget: str, sizes: list[int], page: int) -> 
                 assert _rel(sd["state"][i][name], value) <= 1e-6, name
     if budget == "unlimited":
         assert after["disk_bytes"] == 0 and after["bytes_paged_in"] == 0
+        assert engine.counts() == (0, 0, 0)
     else:
         assert after["disk_bytes"] > 0
         assert after["device_bytes"] <= limit
@@ -126,7 +133,8 @@ def test_maximize_and_closure(kernel: dict) -> None:
     opt.close()
 
 
-def test_params_without_grad_are_skipped_and_not_paged() -> None:
+def test_params_without_grad_are_skipped_and_not_paged(monkeypatch) -> None:
+    count_copies(monkeypatch)
     a, b = torch.randn(40_000), torch.randn(40_000)
     a0, b0 = a.clone(), b.clone()
     # 64 KiB pages: a and b each fill ~5 pages; 2 pages of budget: everything streams
@@ -140,6 +148,7 @@ def test_params_without_grad_are_skipped_and_not_paged() -> None:
     pages_of_a = [p for p in opt.pager.pages if any(s.param == 0 for s in p.segments)]
     # only pages holding a's state moved (b's pages hold no gradient this step)
     assert stats["bytes_paged_in"] == stats["bytes_paged_out"] == sum(p.nbytes for p in pages_of_a)
+    assert opt.pager.engine.counts() == (stats["bytes_paged_in"], stats["bytes_paged_out"], 0)
     opt.close()
 
 
@@ -188,7 +197,8 @@ def test_add_param_group_zero_grad_and_clipping() -> None:
     opt.close()
 
 
-def test_add_param_group_after_paging_started() -> None:
+def test_add_param_group_after_paging_started(monkeypatch) -> None:
+    count_copies(monkeypatch)
     a = torch.randn(20_000)
     b = torch.randn(9_000)
     ref_a, ref_b = a.clone(), b.clone()
@@ -203,12 +213,13 @@ def test_add_param_group_after_paging_started() -> None:
         for p, r in zip(params, refs):
             r.grad = torch.randn(r.shape)
             p.grad = r.grad.clone()
-        before = opt.memory_stats()
+        before, loaded = opt.memory_stats(), opt.pager.engine.loaded
         opt.step()
         ref.step()
         after = opt.memory_stats()
         moved = after["bytes_paged_in"] - before["bytes_paged_in"]
         assert moved == after["state_bytes"] - after["resident_bytes"]
+        assert opt.pager.engine.loaded - loaded == moved  # the engine copied just that
         assert after["peak_device_bytes"] <= 48 << 10
     assert _rel(a, ref_a) <= 1e-6 and _rel(b, ref_b) <= 1e-6
     opt.close()

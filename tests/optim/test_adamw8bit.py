@@ -11,6 +11,8 @@ import torch
 from tightfit.optim import quant8
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 
+from ..tiers.counting import count_copies
+
 PAGE = 16 << 10
 SIZES = [20_000, 5000, 100, 9000]  # 100 < 4096: fp32 state, as in bitsandbytes
 
@@ -31,7 +33,8 @@ def _budget(kind: str, opt: PagedAdamW8bit) -> int | None:
 
 
 @pytest.mark.parametrize("budget", ["unlimited", "one_page", "30%"])
-def test_bit_identical_to_bitsandbytes_adamw8bit(budget: str) -> None:
+def test_bit_identical_to_bitsandbytes_adamw8bit(monkeypatch, budget: str) -> None:
+    count_copies(monkeypatch)
     ref = [torch.randn(n) for n in SIZES]
     ours = [p.clone() for p in ref]
     groups = lambda ps: [  # noqa: E731
@@ -55,10 +58,13 @@ def test_bit_identical_to_bitsandbytes_adamw8bit(budget: str) -> None:
     if budget != "unlimited":
         assert stats["peak_device_bytes"] <= opt.pager.device_budget
         assert stats["bytes_paged_in"] > 0
+    # the copy engine's own count of the bytes it copied (no re-plan: all of it the sweep's)
+    assert opt.pager.engine.counts() == (stats["bytes_paged_in"], stats["bytes_paged_out"], 0)
     opt.close()
 
 
-def test_state_bytes_per_param_and_one_page_budget() -> None:
+def test_state_bytes_per_param_and_one_page_budget(monkeypatch) -> None:
+    count_copies(monkeypatch)
     n = 600_000
     p = torch.randn(n)
     page = 64 << 10
@@ -72,6 +78,7 @@ def test_state_bytes_per_param_and_one_page_budget() -> None:
     assert stats["peak_device_bytes"] <= page
     # everything streams: 2 x the state bytes moved (in and out)
     assert stats["bytes_paged_in"] == stats["bytes_paged_out"] == stats["state_bytes"]
+    assert opt.pager.engine.counts() == (stats["state_bytes"], stats["state_bytes"], 0)
     opt.close()
 
 

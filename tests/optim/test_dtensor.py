@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from tightfit.optim import dtensor
 
+from ..tiers.counting import count_copies
+
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(
@@ -105,9 +107,12 @@ def _dequantized(opt) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "name", ["adamw", "lion", "sgd", "adamw8bit", "adamw8bit-torch", "lion8bit"]
 )
-def test_paged_optimizers_page_dtensor_params_like_plain_ones(mesh, name, tmp_path) -> None:
+def test_paged_optimizers_page_dtensor_params_like_plain_ones(
+    monkeypatch, mesh, name, tmp_path
+) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    count_copies(monkeypatch)
     cls, kw = _paged(name)
     full = torch.randn(80, 64)  # 5120 elements: 8-bit state (>= min_8bit_size 4096)
     p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
@@ -121,7 +126,9 @@ def test_paged_optimizers_page_dtensor_params_like_plain_ones(mesh, name, tmp_pa
         opt_d.step()
         opt_p.step()
     assert torch.equal(p.full_tensor(), q)
-    assert opt_d.memory_stats()["bytes_paged_in"] > 0
+    stats = opt_d.memory_stats()
+    assert stats["bytes_paged_in"] > 0
+    assert opt_d.pager.engine.counts() == (stats["bytes_paged_in"], stats["bytes_paged_out"], 0)
     sd = opt_d.state_dict()
     names = [k for k in sd["state"][0] if k != "step"]
     assert names and all(dtensor.is_dtensor(sd["state"][0][k]) for k in names)

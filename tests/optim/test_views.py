@@ -58,21 +58,21 @@ def test_cached_lists_follow_every_change_and_match_torch(monkeypatch, slabs) ->
     step(4)
     assert len(builds) == 3
     opt.pager.limit_device(2 * PAGE + PAGE // 2, "test")  # pages move: nothing cached survives
-    assert opt.pager.view_cache == {}
+    assert opt._view_cache == {}
     step(5)
     opt.pager.restore_bytes(None, "test")
     step(6)
-    assert opt.pager.view_cache
+    assert opt._view_cache
     sd = opt.state_dict()
     opt.load_state_dict(sd)  # new step tensors: the cache must not keep the old ones
-    assert opt.pager.view_cache == {}
+    assert opt._view_cache == {}
     step(7)
     step(8)
     for o, r in zip(ours, ref):
         assert _rel(o, r) <= 1e-6
     assert float(opt.state_dict()["state"][0]["step"]) == 9.0
     opt.close()
-    assert opt.pager.view_cache == {}
+    assert opt._view_cache == {}
 
 
 def test_streamed_pages_are_never_cached() -> None:
@@ -83,8 +83,8 @@ def test_streamed_pages_are_never_cached() -> None:
         opt.step()
     streamed = {p.index for p in opt.pager.pages if p.tier != "device"}
     assert streamed
-    cached_ids = {i for key in opt.pager.view_cache for i in key[0]}
+    cached_ids = {i for key in opt._view_cache for i in key[0]}
     # only the arrays of resident pages are keys; a window slot's views change every step
-    resident_ids = {id(p._arrays) for p in opt.pager.pages if p.tier == "device"}
+    resident_ids = {id(opt.pager.arrays(p)) for p in opt.pager.pages if p.tier == "device"}
     assert cached_ids <= resident_ids
     opt.close()

@@ -18,6 +18,8 @@ from tightfit.paging.occupancy import OccupancyControl
 from tightfit.paging.probes import FakeProbe
 from tightfit.paging.watch import PressureWatch
 
+from .trace import sample_everywhere
+
 D, LAYERS, SHORT, LONG, EVERY, STEPS = 128, 8, 8, 512, 3, 7
 PAGE = 64 << 10
 
@@ -62,27 +64,11 @@ class FakeDevice:
             model(x).square().mean().backward()
 
 
-def _sample_everywhere(model: nn.Module, probe: FakeProbe) -> None:
-    """Read the probe around every leaf module, forward and backward: a fine-grained trace."""
-
-    def grad_hook(grad: torch.Tensor) -> None:
-        probe.used_bytes()
-
-    def fwd(module: nn.Module, args: object, out: torch.Tensor) -> None:
-        probe.used_bytes()
-        if out.requires_grad:
-            out.register_hook(grad_hook)
-
-    for m in model.modules():
-        if not list(m.children()):
-            m.register_forward_hook(fwd)
-
-
 def _train(opt_kind: str, capacity: int, target: int = 0, margin: int = 0):  # noqa: ANN202
     torch.manual_seed(0)
     model = Chain()
     dev = FakeDevice(model, capacity)
-    _sample_everywhere(model, dev.probe)
+    sample_everywhere(model, dev.probe)
     if opt_kind == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters())

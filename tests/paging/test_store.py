@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdamW
+from tightfit.paging.store import PageStore
+
+from ..tiers.counting import CountingEngine, count_copies, payload_bytes
 
 PAGE = 16 << 10
 
@@ -46,11 +49,13 @@ def test_resident_prefix_window_and_disk() -> None:
 
 
 @pytest.mark.parametrize("budget", [PAGE, 2 * PAGE, 4 * PAGE + 100])
-def test_each_step_moves_exactly_twice_the_non_resident_bytes(budget) -> None:
+def test_each_step_moves_exactly_twice_the_non_resident_bytes(monkeypatch, budget) -> None:
+    count_copies(monkeypatch)
     params, opt = _opt(budget)
+    engine = opt.pager.engine
     _step(params, opt)
     for _ in range(3):
-        before = opt.memory_stats()
+        before, copied = opt.memory_stats(), engine.counts()
         _step(params, opt)
         after = opt.memory_stats()
         non_resident = after["state_bytes"] - after["resident_bytes"]
@@ -58,6 +63,9 @@ def test_each_step_moves_exactly_twice_the_non_resident_bytes(budget) -> None:
         moved = (after["bytes_paged_in"] - before["bytes_paged_in"]) + (
             after["bytes_paged_out"] - before["bytes_paged_out"])
         assert moved == 2 * non_resident
+        # what the copy engine really copied: each disk page in once and out once, no more
+        loaded, stored, between = (b - a for a, b in zip(copied, engine.counts()))
+        assert loaded == stored == non_resident and between == 0
         streamed = sum(1 for p in opt.pager.pages if p.tier == "disk")
         assert after["page_faults"] - before["page_faults"] == streamed
         assert after["peak_device_bytes"] <= budget
@@ -125,18 +133,26 @@ def test_default_spill_folder_is_temporary_and_removed() -> None:
     assert not os.path.exists(folder)
 
 
-def test_clean_pages_leave_the_device_without_a_write() -> None:
+def test_clean_pages_leave_the_device_without_a_write(monkeypatch) -> None:
+    count_copies(monkeypatch)
     params, opt = _opt(None)
+    engine = opt.pager.engine
     _step(params, opt)
     full = opt.memory_stats()["device_bytes"]
     opt.pager.evict_bytes(full // 2, reason="spike")  # dirty pages: written to the spill file
     out1 = opt.memory_stats()["bytes_paged_out"]
     assert out1 > 0
+    on_disk = [p for p in opt.pager.pages if p.tier == "disk"]
+    # the engine copied each evicted page's arrays (one copy per array from a slab)
+    assert engine.moved == payload_bytes(on_disk) > 0
+    assert out1 == sum(p.nbytes for p in on_disk)
     opt.pager.restore_bytes(None, reason="spike over")  # read back, not modified
+    assert engine.moved == 2 * payload_bytes(on_disk)
     reference = _state(opt)
     opt.pager.evict_bytes(full // 2, reason="spike again")  # the spill copy is still current
     s = opt.memory_stats()
     assert s["bytes_paged_out"] == out1 and s["disk_bytes"] > 0
+    assert engine.moved == 2 * payload_bytes(on_disk)  # not a byte copied: no write
     assert opt.pager.events.events[-1].nbytes == s["disk_bytes"]  # state that changed tier
     after = _state(opt)
     for i in reference:
@@ -170,3 +186,36 @@ def test_measured_allocations_stay_within_the_budget() -> None:
     assert device <= tracker.peak_bytes <= budget + 4 * len(params)
     assert opt.memory_stats()["peak_device_bytes"] <= budget
     opt.close()
+
+
+def test_the_store_tells_its_listeners_before_every_move_and_on_close() -> None:
+    params, opt = _opt(None)
+    calls: list[tuple[str, int]] = []
+    store = opt.pager
+    store.on_move(lambda: calls.append(("move", store.device_bytes)))
+    _step(params, opt)  # the first step places the pages
+    assert calls == [("move", 0)]  # told before any page was allocated
+    full = store.device_bytes
+    store.evict_bytes(full // 2, reason="test")
+    store.limit_device(None, reason="test")  # and back: every re-plan tells
+    assert calls == [("move", 0), ("move", full), ("move", calls[2][1])]
+    assert calls[2][1] < full  # the third call came before the pages came back
+    opt.close()
+    assert len(calls) == 4
+
+
+def test_a_store_uses_and_closes_the_engine_it_is_given(tmp_path) -> None:
+    closed: list[bool] = []
+
+    class Engine(CountingEngine):
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    engine = Engine()
+    store = PageStore(torch.device("cpu"), PAGE, None, None, tmp_path, engine=engine)
+    assert store.engine is engine and store.on_cpu
+    with pytest.raises(AttributeError):
+        store.on_cpu = False  # derived from the device, never assigned
+    store.close()
+    assert closed == [True]

@@ -10,6 +10,8 @@ from tightfit.measure.tracker import MemoryTracker
 from tightfit.paging.probes import FakeProbe, RSSProbe
 from tightfit.paging.watch import PressureWatch, find_watch_blocks, resolve_target
 
+from .trace import sample_everywhere
+
 MiB = 2**20
 
 
@@ -68,22 +70,6 @@ def _run(model: nn.Module, x: torch.Tensor, tracker_sink: dict) -> None:
     tracker_sink["mt"] = None
 
 
-def _sample_everywhere(model: nn.Module, probe: FakeProbe) -> None:
-    """Read the probe around every leaf module, forward and backward: a fine-grained trace."""
-
-    def grad_hook(grad: torch.Tensor) -> None:
-        probe.used_bytes()
-
-    def fwd(module: nn.Module, args: object, out: torch.Tensor) -> None:
-        probe.used_bytes()
-        if out.requires_grad:
-            out.register_hook(grad_hook)
-
-    for m in model.modules():
-        if not list(m.children()):
-            m.register_forward_hook(fwd)
-
-
 def test_watch_evicts_before_a_spike_passes_the_target() -> None:
     model = Blocks()
     sink: dict = {"mt": None}
@@ -106,7 +92,7 @@ def test_watch_evicts_before_a_spike_passes_the_target() -> None:
     long_x = torch.randn(1, 2048, 32)
     margin = 2 * 4 * 2048 * (32 + 8 * 32)
     watch = PressureWatch(model, probe, target, evict, margin_bytes=margin, min_interval_s=0.0)
-    _sample_everywhere(model, probe)
+    sample_everywhere(model, probe)
 
     _run(model, torch.randn(1, 16, 32), sink)  # short: plenty of headroom, nothing moves
     assert calls == [] and pool["resident"] == 6 * MiB
@@ -125,20 +111,78 @@ def test_watch_evicts_before_a_spike_passes_the_target() -> None:
     assert probe.peak_bytes > probe.capacity_bytes()
 
 
-def test_backward_hook_fires_before_the_block_backward() -> None:
-    model = Blocks(n=2)
-    order: list[str] = []
+class _Mark(torch.autograd.Function):
+    """Identity that logs when autograd runs it: ``"run:<name>"`` forward (also when a
+    checkpointed block is recomputed in backward), ``"grad:<name>"`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, log: list[str], name: str) -> torch.Tensor:  # noqa: ANN001
+        ctx.log, ctx.name = log, name
+        log.append(f"run:{name}")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        ctx.log.append(f"grad:{ctx.name}")
+        return grad, None, None
+
+
+class MarkedBlock(nn.Module):
+    """An MLP block whose first and last ops log (see :class:`_Mark`): its backward starts
+    with ``grad:<name>`` (the last op's backward) and, checkpointed, recomputes from
+    ``run:<name><`` (the first op's forward, run again)."""
+
+    def __init__(self, d: int, log: list[str], name: str, checkpointed: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.log, self.name, self.checkpointed = log, name, checkpointed
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Mark.apply(x, self.log, f"{self.name}<")
+        return _Mark.apply(self.net(x), self.log, self.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class MarkedChain(Blocks):
+    def __init__(self, log: list[str], checkpointed: bool, d: int = 32, n: int = 2) -> None:
+        super().__init__(d, n)
+        self.layers = nn.ModuleList(
+            MarkedBlock(d, log, f"layers.{i}", checkpointed) for i in range(n)
+        )
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["stored", "checkpointed"])
+def test_backward_hook_fires_before_the_block_backward(checkpointed: bool) -> None:
+    log: list[str] = []
+    model = MarkedChain(log, checkpointed)
     probe = FakeProbe(100, [lambda: 99])  # always under pressure: every check calls back
 
     def evict(need: int, reason: str) -> int:
-        order.append(reason)
+        log.append(reason)
         return 0
 
     PressureWatch(model, probe, 50, evict, margin_bytes=0, min_interval_s=0.0)
     model(torch.randn(2, 4, 32)).sum().backward()
+    checks = [e for e in log if e.startswith(("forward:", "backward:"))]
     fwd = ["forward:layers.0", "forward:layers.1", "forward:head"]
     bwd = ["backward:head", "backward:layers.1", "backward:layers.0"]
-    assert order == fwd + bwd
+    assert checks == fwd + bwd
+    backward = log[log.index("backward:head") :]
+    for name in ("layers.1", "layers.0"):
+        # the block's own backward work: its ops' gradients and, checkpointed, its recompute
+        own = [i for i, e in enumerate(backward) if e.split(":")[1].rstrip("<") == name
+               and not e.startswith("backward:")]  # fmt: skip
+        assert own, f"{name}'s backward never ran"
+        assert backward.index(f"backward:{name}") < min(own), backward
+        assert f"grad:{name}" in backward
+        if checkpointed:
+            assert f"run:{name}<" in backward  # recomputed, after the check
+        else:
+            assert not any(e.startswith("run:") for e in backward)  # nothing recomputed
 
 
 def test_rate_limit_skips_readings_only_while_headroom_is_plentiful() -> None:

@@ -3,8 +3,10 @@ engine over fake streams: CI coverage of the host-tier logic no GPU run has chec
 
 Emulation only: the CUDA side stream, events and pinned memory are stand-ins (copies run at
 once; an event must be recorded before anything waits on it), the "device" is the CPU, and
-pages use one buffer each, as on CUDA. What it checks is the store's placement, budgets,
-traffic and staging — not CUDA itself (``tests/optim/test_adamw_cuda.py`` does, on a GPU).
+pages use one buffer each, as on CUDA: the store is built with ``emulate_accelerator=True`` and
+CUDA's copy engine (counting its bytes, ``tests/tiers/counting.py``). What it checks is the
+store's placement, budgets, traffic and staging — not CUDA itself
+(``tests/optim/test_adamw_cuda.py`` does, on a GPU).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
-from tightfit.tiers.copy import CudaCopyEngine
+
+from .counting import CountingCudaEngine, count_copies
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 PAGE = 64 << 10
@@ -46,7 +49,8 @@ class _Stream:
 
 @pytest.fixture
 def accelerator(monkeypatch):
-    """Returns make(cls, **kwargs): a paged optimizer whose store behaves as on CUDA."""
+    """Returns make(cls, params, **kwargs): a paged optimizer whose store behaves as on CUDA
+    (its engine, ``opt.pager.engine``, counts the bytes it copies)."""
     pinned: set[int] = set()
     empty = torch.empty
 
@@ -63,15 +67,12 @@ def accelerator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    count_copies(monkeypatch, CountingCudaEngine, emulate_accelerator=True)
     made = []
 
-    def make(cls, params, host_budget=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        monkeypatch.setattr(cls, "_slabs", False)
+    def make(cls, params, **kwargs):  # noqa: ANN001, ANN003, ANN202
         opt = cls(params, **kwargs)
-        store = opt.pager
-        store.on_cpu, store.host_budget = False, host_budget
-        store.engine.close()
-        store.engine = CudaCopyEngine(torch.device("cpu"))
+        assert not opt.pager.on_cpu and not opt.pager.use_slabs  # an accelerator's store
         made.append(opt)
         return opt
 
@@ -104,13 +105,17 @@ def test_three_tiers_match_torch_and_move_the_minimum(accelerator, paged_cls, to
         for r, o in zip(ref, ours):
             r.grad = torch.randn(r.shape, generator=gen)
             o.grad = r.grad.clone()
-        before = opt.memory_stats()
+        before, copied = opt.memory_stats(), opt.pager.engine.counts()
         ref_opt.step()
         opt.step()
         after = opt.memory_stats()
         moved = (after["bytes_paged_in"] - before["bytes_paged_in"]
                  + after["bytes_paged_out"] - before["bytes_paged_out"])  # fmt: skip
-        assert moved == 2 * (after["state_bytes"] - after["resident_bytes"])
+        non_resident = after["state_bytes"] - after["resident_bytes"]
+        assert moved == 2 * non_resident
+        # the engine's own count: each non-resident page loaded once and written back once
+        loaded, stored, between = (b - a for a, b in zip(copied, opt.pager.engine.counts()))
+        assert loaded == stored == non_resident and between == 0
         assert after["peak_device_bytes"] <= kw.get("device_budget", after["state_bytes"])
     for r, o in zip(ref, ours):
         assert ((o - r).norm() / r.norm()).item() <= 1e-6

@@ -10,17 +10,17 @@ and a param split across pages must not be counted twice.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import hyper
-from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim.base import PagedOptimizer
+from tightfit.optim.options import PagingOptions
+from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
-from tightfit.paging.probes import Probe
 
 
 def _fused_supported(device: torch.device) -> bool:
@@ -29,6 +29,15 @@ def _fused_supported(device: torch.device) -> bool:
     except ImportError:  # pragma: no cover - older torch
         return device.type == "cuda"
     return device.type in _get_fused_kernels_supported_devices()
+
+
+def check_adam_group(group: dict[str, Any]) -> None:
+    """The hyperparameter rules of torch's AdamW/Adam (8-bit Adam's too: same rules, same words)."""
+    hyper.check_graph_flags(group, "torch.optim.AdamW")
+    hyper.check_lr(group["lr"])
+    hyper.check_betas(group["betas"])
+    hyper.check_eps(group["eps"])
+    hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
 
 
 class PagedAdamW(PagedOptimizer):
@@ -48,8 +57,9 @@ class PagedAdamW(PagedOptimizer):
         differentiable: must be ``False`` (paged state is not part of an autograd graph).
         fused: use torch's fused kernel (``None``: where the device supports it, unless
             ``foreach=True``).
-        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
+        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
+            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
+            :class:`~tightfit.optim.options.PagingOptions`.
 
     Example:
         >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)
@@ -73,12 +83,7 @@ class PagedAdamW(PagedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
         defaults = {
             "lr": lr,
@@ -94,16 +99,7 @@ class PagedAdamW(PagedOptimizer):
             "fused": fused,
             "decoupled_weight_decay": self._decoupled,
         }
-        super().__init__(
-            params,
-            defaults,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+        super().__init__(params, defaults, **paging)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
@@ -113,23 +109,14 @@ class PagedAdamW(PagedOptimizer):
                 group["decoupled_weight_decay"] = True
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        hyper.check_graph_flags(group, "torch.optim.AdamW")
-        hyper.check_lr(group["lr"])
-        hyper.check_betas(group["betas"])
-        hyper.check_eps(group["eps"])
-        hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
+        check_adam_group(group)
 
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         return [StateSpec(n, torch.float32) for n in names]
 
     def _update(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         # AdamW always decouples (as torch.optim.AdamW); Adam follows its group, as torch.optim.Adam
         decoupled = self._decoupled or bool(group.get("decoupled_weight_decay", False))

@@ -9,18 +9,17 @@ Adam, fused where the device supports it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import quant8
-from tightfit.optim.adamw import PagedAdamW, _fused_supported
-from tightfit.optim.base import DEFAULT_PAGE_BYTES
+from tightfit.optim.adamw import _fused_supported, check_adam_group
+from tightfit.optim.options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
-from tightfit.paging.probes import Probe
+from tightfit.optim.views import Group, StateLists, Tensors
 
 
 class PagedAdamW8bit(Paged8bitOptimizer):
@@ -38,8 +37,9 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"``: bitsandbytes' kernel where it has one (CUDA, XPU, CPU), plain
             torch elsewhere; ``"bitsandbytes"``; ``"torch"``.
-        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
+        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
+            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
+            :class:`~tightfit.optim.options.PagingOptions`.
 
     Example:
         >>> opt = PagedAdamW8bit(model.parameters(), lr=1e-4, device_budget=64 << 20)
@@ -61,29 +61,13 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(
-            params,
-            defaults,
-            min_8bit_size=min_8bit_size,
-            backend=backend,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        PagedAdamW._check_group(self, group)  # type: ignore[arg-type]  # same rules, same words
+        check_adam_group(group)
 
     def _kernel_args(self, group: dict[str, Any]) -> tuple[float, float, float, float]:
         beta1, beta2 = group["betas"]
@@ -100,12 +84,7 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         return torch.add(grad, param, alpha=wd)
 
     def _update_fp32(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         fused = _fused_supported(params[0].device)
         beta1, beta2 = group["betas"]

@@ -11,6 +11,9 @@ The base class owns the page store and the step sweep; a subclass supplies only
 * optionally ``_export_segment`` / ``_import_segment`` — conversion of one segment of state
   to/from torch's state-dict tensors (default: copy arrays of the same name).
 
+A subclass's constructor takes torch's arguments, then ``**paging`` (:class:`PagingOptions`)
+passed on unchanged. The state files use only the public API and the "friend API" below.
+
 See ``docs/paging.md`` ("Extending: a new paged optimizer").
 """
 
@@ -19,12 +22,14 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, state_io, views
+from tightfit.optim import checks, options, state_io, views
 from tightfit.optim.dtensor import local_tensor
+from tightfit.optim.options import DEFAULT_PAGE_BYTES, PagingOptions
+from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec, build_pages
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
@@ -33,10 +38,8 @@ from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 from tightfit.paging.watch import PressureWatch
 
-# 8 MiB: a few MiB, as the budget granularity and the 2-page streaming window want. Kernel
-# cost no longer depends on it on the CPU (slabs join resident pages into one view per param;
-# benchmarks/results/optimizer_pagesize.md has the fully resident step at 4/8/16 MiB).
-DEFAULT_PAGE_BYTES = 8 << 20
+__all__ = ["DEFAULT_PAGE_BYTES", "PagedOptimizer", "PagingOptions"]
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -46,17 +49,10 @@ class PagedOptimizer(torch.optim.Optimizer):
     Args:
         params: iterable of params or of param-group dicts, as for any torch optimizer.
         defaults: default hyperparameters of the subclass.
-        page_bytes: the most bytes one page holds (default 8 MiB).
-        device_budget: bytes of state allowed on the params' device (``None``: no limit).
-        host_budget: bytes of state in host RAM when the params are on an accelerator
-            (``None``: no limit; ignored on the CPU, where the next tier is disk).
-        spill_dir: folder for the spill files (a private subfolder is made and removed on
-            close); ``None``: the system temp folder.
-        target: keep the device's total usage (as ``probe`` reads it) under this: a fraction
-            of capacity (float, e.g. 0.9) or bytes (int; required on the CPU). Pages leave the
-            device when usage passes it and come back at later steps; ``None`` with no
-            ``probe``: no pressure handling (see ``docs/pressure.md``).
-        probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
+        **paging: the paging and pressure options, documented once in
+            :class:`~tightfit.optim.options.PagingOptions` (``page_bytes``,
+            ``device_budget``, ``host_budget``, ``spill_dir``, ``target``, ``probe``); any
+            other keyword raises ``TypeError``.
     """
 
     unit: ClassVar[int] = 1
@@ -72,26 +68,25 @@ class PagedOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
-        *,
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
+        opts = options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
         self._check_group(defaults)  # bad hyperparameters raise before any state exists
-        checks.check_paging_options(page_bytes, device_budget, host_budget, spill_dir)
+        checks.check_paging_options(
+            opts["page_bytes"], opts["device_budget"], opts["host_budget"], opts["spill_dir"]
+        )
         params = list(params)
         device = checks.common_device(params)
-        self._page_bytes = page_bytes
-        self._store = PageStore(
-            device, page_bytes, device_budget, host_budget, spill_dir, slabs=self._slabs
-        )
+        self._page_bytes = opts["page_bytes"]
+        self._store = self._new_store(device, opts)
+        # the update lists cached per resident bucket (tightfit.optim.views): ours, emptied
+        # by the store whenever pages move or it closes, and by us when the state is replaced
+        self._view_cache: dict[Any, Any] = {}
+        self._store.on_move(self._view_cache.clear)
         # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
         self._pressure: OccupancyControl | None = None
-        if target is not None or probe is not None:
-            self._pressure = OccupancyControl(self._store, probe, target)
+        if opts["target"] is not None or opts["probe"] is not None:
+            self._pressure = OccupancyControl(self._store, opts["probe"], opts["target"])
         self._oom_recoveries = 0
         self._finalizer = weakref.finalize(self, self._store.close)
         self._group_pages: list[list[Page]] = []
@@ -99,6 +94,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pending_step: int | None = None
         self._closed = False
         super().__init__(params, defaults)
+
+    def _new_store(self, device: torch.device, paging: PagingOptions) -> PageStore:
+        """The page store, built once by the constructor: the one place it is made, which
+        tests and emulation override to give it their own copy engine (``engine=``) or to
+        emulate an accelerator's tiers on the CPU (``emulate_accelerator=True``)."""
+        return PageStore(
+            device, paging["page_bytes"], paging["device_budget"], paging["host_budget"],
+            paging["spill_dir"], slabs=self._slabs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ subclass contract
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
@@ -119,12 +123,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Raise ``ValueError``/``TypeError`` for bad hyperparameters in ``group``."""
 
     def _update(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         """Update params and state in place; lists are parallel flat views, ``steps`` holds
         each param's step count *after* this step's increment (shared between a param's
@@ -145,6 +144,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Write one segment of torch state-dict tensors (flat) into the page views."""
         for name, view in views.items():
             view.copy_(values[name])
+
+    # ------------------------------------------------------------------ friend API
+    # What state_io/state8bit use beyond the public API (typed there as Protocols: they never
+    # import this module): the hooks _state_specs/_export_segment/_import_segment and these.
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError``/``TypeError`` for bad hyperparameters in a complete group
+        (``defaults`` merged in); changes nothing."""
+        self._check_group(group)
+
+    def _clear_pending_step(self) -> None:
+        """Forget a step that stopped part-way: the whole state was just replaced (a load)."""
+        self._pending_step = None
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -172,18 +183,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         for layout in dict.fromkeys(layouts):
             if not layout:
                 continue
+            numels = [local_tensor(p).numel() if k == layout else 0
+                      for p, k in zip(pg["params"], layouts)]  # fmt: skip
             pages += build_pages(
-                g,
-                [
-                    local_tensor(p).numel() if k == layout else 0
-                    for p, k in zip(pg["params"], layouts)
-                ],
-                [p.dtype for p in pg["params"]],
-                list(layout),
-                self.unit,
-                self._page_bytes,
-                first_index=len(self._store.pages) + len(pages),
-            )
+                g, numels, [p.dtype for p in pg["params"]], list(layout), self.unit,
+                self._page_bytes, first_index=len(self._store.pages) + len(pages),
+            )  # fmt: skip
         self._group_pages.append(pages)
         self._store.add_pages(pages)
 
@@ -268,7 +273,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         first = items[0][0]
         group = self.param_groups[first.group]
         lists = views.bucket_lists(
-            self.state, group["params"], items, self._view_limit, self._store.view_cache
+            self.state, group["params"], items, self._view_limit, self._view_cache
         )
         if lists is None:
             return
@@ -290,7 +295,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
         self._check_open()
-        self._store.view_cache.clear()  # the step tensors are replaced
+        self._view_cache.clear()  # the step tensors are replaced
         state_io.from_torch(self, state_dict)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -301,7 +306,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` for the same params, page by page."""
         self._check_open()
-        self._store.view_cache.clear()  # the step tensors are replaced
+        self._view_cache.clear()  # the step tensors are replaced
         state_io.load(self, path)
 
     # ------------------------------------------------------------------ memory

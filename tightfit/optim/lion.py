@@ -9,17 +9,17 @@ foreach kernels over all segments of a sweep batch; the 8-bit variant runs bitsa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from tightfit.optim import hyper, quant8
-from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim.base import PagedOptimizer
+from tightfit.optim.options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
+from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
-from tightfit.paging.probes import Probe
 
 
 def lion_update_(
@@ -75,8 +75,9 @@ class PagedLion(PagedOptimizer):
         lr: learning rate (>= 0); Lion wants 3-10x less than AdamW.
         betas: (β1 for the update direction, β2 for the momentum), each in [0, 1).
         weight_decay: decoupled weight decay (>= 0).
-        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
+        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
+            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
+            :class:`~tightfit.optim.options.PagingOptions`.
     """
 
     def __init__(
@@ -85,25 +86,10 @@ class PagedLion(PagedOptimizer):
         lr: float | torch.Tensor = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
-        *,
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        super().__init__(
-            params,
-            defaults,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+        super().__init__(params, defaults, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_lion(group)
@@ -112,12 +98,7 @@ class PagedLion(PagedOptimizer):
         return [StateSpec("exp_avg", torch.float32)]
 
     def _update(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         _lion_group(group, params, grads, states["exp_avg"])
 
@@ -126,7 +107,8 @@ class PagedLion8bit(Paged8bitOptimizer):
     """Lion with blockwise 8-bit momentum (bitsandbytes' ``Lion8bit``) kept in pages.
 
     Same arguments as :class:`PagedLion` plus ``min_8bit_size`` and ``backend`` (see
-    :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`). About 1.02 bytes of state per param.
+    :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`), then the paging options
+    (:class:`~tightfit.optim.options.PagingOptions`). About 1.02 bytes of state per param.
     """
 
     kernel = "lion"
@@ -141,26 +123,10 @@ class PagedLion8bit(Paged8bitOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        super().__init__(
-            params,
-            defaults,
-            min_8bit_size=min_8bit_size,
-            backend=backend,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_lion(group)
@@ -170,11 +136,6 @@ class PagedLion8bit(Paged8bitOptimizer):
         return float(beta1), float(beta2), 0.0, float(group["weight_decay"])
 
     def _update_fp32(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         _lion_group(group, params, grads, states["state1"])

@@ -24,17 +24,18 @@ fp32 format with each state tensor a DTensor laid out like its param (what DCP r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, quant8
-from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim import checks, options, quant8
+from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.dtensor import is_dtensor, like_param, local_tensor
+from tightfit.optim.options import PagingOptions
+from tightfit.optim.state8bit import check_and_load
+from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
-from tightfit.paging.probes import Probe
 
 
 class Paged8bitOptimizer(PagedOptimizer):
@@ -51,8 +52,9 @@ class Paged8bitOptimizer(PagedOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"`` (bitsandbytes' kernel where it has one, else torch),
             ``"bitsandbytes"`` or ``"torch"``.
-        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
+        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
+            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
+            :class:`~tightfit.optim.options.PagingOptions`.
     """
 
     unit = quant8.BLOCKSIZE
@@ -66,13 +68,9 @@ class Paged8bitOptimizer(PagedOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
+        options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:
@@ -81,18 +79,9 @@ class Paged8bitOptimizer(PagedOptimizer):
         params = list(params)
         self._backend = quant8.resolve_backend(backend, checks.common_device(params))
         self._min_8bit_size = min_8bit_size
+        super().__init__(params, defaults, **paging)
         if self._backend == "torch":  # its fp32 temporaries stay about one page in size
-            self._view_limit = max(page_bytes // 2, quant8.BLOCKSIZE)
-        super().__init__(
-            params,
-            defaults,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+            self._view_limit = max(self._page_bytes // 2, quant8.BLOCKSIZE)
         device = self._store.device
         self._maps = [quant8.dynamic_map(True, device), quant8.dynamic_map(False, device)]
 
@@ -100,6 +89,11 @@ class Paged8bitOptimizer(PagedOptimizer):
     def backend(self) -> str:
         """The kernel family in use: ``"bitsandbytes"`` or ``"torch"``."""
         return self._backend
+
+    @property
+    def min_8bit_size(self) -> int:
+        """Params with fewer elements keep fp32 state."""
+        return self._min_8bit_size
 
     # ------------------------------------------------------------------ layout
     def _n_states(self) -> int:
@@ -126,12 +120,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         raise NotImplementedError
 
     def _update_fp32(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         raise NotImplementedError
 
@@ -142,12 +131,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         return grad
 
     def _update(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         if "absmax1" not in states:  # params below min_8bit_size: fp32 state
             self._update_fp32(group, params, grads, states, steps)
@@ -185,8 +169,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         """Each step tensor's count as an int, read from the device once per optimizer step:
         bitsandbytes' kernel takes the count as a number, and a read per update call would
         synchronize a GPU once per streamed page, stalling the copies behind it. Kept in the
-        store's view cache, which page moves and state loads empty."""
-        cache = self._store.view_cache
+        view cache, which page moves and state loads empty."""
+        cache = self._view_cache
         step_id, counts = cache.get("step counts", (None, {}))
         if step_id != self._step_id or any(id(s) not in counts for s in steps):
             every = [st["step"] for st in self.state.values() if "step" in st]
@@ -195,14 +179,9 @@ class Paged8bitOptimizer(PagedOptimizer):
         return [int(counts[id(s)]) for s in steps]
 
     def _update_torch_chunk(
-        self,
-        group: dict[str, Any],
-        idx: list[int],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
-    ) -> None:
+        self, group: Group, idx: list[int], params: Tensors, grads: Tensors, states: StateLists,
+        steps: Tensors,
+    ) -> None:  # fmt: skip
         """Dequantize segments ``idx`` in torch, run the fp32 math on them, quantize back."""
         names = [f"state{i}" for i in range(1, self._n_states() + 1)]
         fp32 = {
@@ -306,7 +285,5 @@ class Paged8bitOptimizer(PagedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a native (:meth:`state_dict`) or torch-format (:meth:`torch_state_dict`, or a
         torch optimizer's) state dict; everything is checked before anything changes."""
-        from tightfit.optim.state8bit import check_and_load
-
         self._check_open()
         check_and_load(self, state_dict)

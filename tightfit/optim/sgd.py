@@ -10,18 +10,18 @@ to torch as ``None`` buffers, as torch does it, and copied into their pages.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
 from tightfit.optim import hyper
 from tightfit.optim.adamw import _fused_supported
-from tightfit.optim.base import DEFAULT_PAGE_BYTES, PagedOptimizer
+from tightfit.optim.base import PagedOptimizer
+from tightfit.optim.options import PagingOptions
+from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
-from tightfit.paging.probes import Probe
 
 
 class PagedSGD(PagedOptimizer):
@@ -35,8 +35,9 @@ class PagedSGD(PagedOptimizer):
         weight_decay: L2 penalty added to the gradient (>= 0).
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing it.
-        page_bytes, device_budget, host_budget, spill_dir, target, probe: paging and pressure
-            options, as for :class:`~tightfit.optim.base.PagedOptimizer`.
+        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
+            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
+            :class:`~tightfit.optim.options.PagingOptions`.
 
     ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
     a ``torch.optim.SGD`` state dict loads too.
@@ -52,12 +53,7 @@ class PagedSGD(PagedOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
-        page_bytes: int = DEFAULT_PAGE_BYTES,
-        device_budget: int | None = None,
-        host_budget: int | None = None,
-        spill_dir: str | os.PathLike | None = None,
-        target: float | int | None = None,
-        probe: Probe | None = None,
+        **paging: Unpack[PagingOptions],
     ) -> None:
         defaults = {
             "lr": lr,
@@ -71,16 +67,7 @@ class PagedSGD(PagedOptimizer):
             "differentiable": False,
             "fused": None,
         }
-        super().__init__(
-            params,
-            defaults,
-            page_bytes=page_bytes,
-            device_budget=device_budget,
-            host_budget=host_budget,
-            spill_dir=spill_dir,
-            target=target,
-            probe=probe,
-        )
+        super().__init__(params, defaults, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         momentum = group["momentum"]
@@ -121,12 +108,7 @@ class PagedSGD(PagedOptimizer):
         )
 
     def _update(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        states: dict[str, list[torch.Tensor]],
-        steps: list[torch.Tensor],
+        self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
         bufs = states["momentum_buffer"]
         first: list[int] = []

@@ -13,22 +13,31 @@ plain tensors the size of the rank's shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from tightfit.optim import quant8, state_io
 from tightfit.optim.dtensor import is_dtensor, local_state, local_tensor
 
-if TYPE_CHECKING:
-    from tightfit.optim.paged8bit import Paged8bitOptimizer
+
+class Paged8bitState(state_io.PagedState, Protocol):
+    """What this module needs of a paged 8-bit optimizer
+    (``tightfit.optim.paged8bit.Paged8bitOptimizer``, which imports this module): a
+    :class:`~tightfit.optim.state_io.PagedState` with its 8-bit layout's constants."""
+
+    unit: int
+    torch_names: tuple[str, ...]
+
+    @property
+    def min_8bit_size(self) -> int: ...
 
 
 # bitsandbytes >= 0.45 nests its codes/absmax under this key (to hide them from FSDP)
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
 
-def _check_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
+def _check_groups(opt: Paged8bitState, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
     saved_groups = state_io.check_saved_groups(
         opt, state_dict, "optimizer.state_dict() or torch_state_dict()"
     )
@@ -39,19 +48,19 @@ def _check_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[d
         merged = {**group, **merged, "params": group["params"]}
         if isinstance(merged.get("betas"), list):
             merged["betas"] = tuple(merged["betas"])
-        opt._check_group(merged)
+        opt._validate_group(merged)
         merged_groups.append(merged)
     return merged_groups
 
 
-def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any) -> str:
+def _check_entry(opt: Paged8bitState, key: Any, p: torch.Tensor, entry: Any) -> str:
     """The entry's format (``"native"`` or ``"torch"``), or ValueError naming what is wrong."""
     if not isinstance(entry, dict) or "step" not in entry:
         raise ValueError(f"state of param {key} lacks 'step'; pass a full optimizer state dict")
     if isinstance(entry.get(_BNB_WRAPPED), dict):  # a bitsandbytes 8-bit optimizer's state dict
         entry.update(entry.pop(_BNB_WRAPPED))
     n = len(opt.torch_names)
-    eight = quant8.is_8bit(p.numel(), opt._min_8bit_size)  # global size, as the layout decides
+    eight = quant8.is_8bit(p.numel(), opt.min_8bit_size)  # global size, as the layout decides
     numel = local_tensor(p).numel()  # what the pages hold (the whole param unless a DTensor)
     if "state1" in entry:
         fmt, names = "native", [f"state{i}" for i in range(1, n + 1)]
@@ -96,7 +105,7 @@ def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any)
     return fmt
 
 
-def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
+def check_and_load(opt: Paged8bitState, state_dict: dict[str, Any]) -> None:
     """Validate ``state_dict`` against ``opt`` completely, then load it into the pages."""
     new_groups = _check_groups(opt, state_dict)
     id_to_param: dict[Any, torch.Tensor] = {}
@@ -143,4 +152,4 @@ def check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
                 else:
                     codes.copy_(values)
         store.write_page(page, buf)
-    opt._pending_step = None
+    opt._clear_pending_step()

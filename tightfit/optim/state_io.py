@@ -12,30 +12,62 @@ import json
 import os
 import struct
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
-
-if TYPE_CHECKING:
-    from tightfit.optim.base import PagedOptimizer
+from tightfit.paging.layout import StateSpec
+from tightfit.paging.store import PageStore
 
 _MAGIC = b"TIGHTFIT-PAGES\x00\x01"
 
 
-def _params(opt: PagedOptimizer) -> list[torch.Tensor]:
+class PagedState(Protocol):
+    """What this module needs of a paged optimizer (``tightfit.optim.base.PagedState``,
+    which is also a ``torch.optim.Optimizer``): torch's groups and state, the page store, and
+    the friend API documented there. Typed here so that this module never imports the
+    optimizer's (which imports this one)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any  # torch's defaultdict of per-param state dicts
+
+    @property
+    def pager(self) -> PageStore: ...
+
+    def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]: ...
+
+    def _export_segment(
+        self, group: dict[str, Any], views: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]: ...
+
+    def _import_segment(
+        self, group: dict[str, Any], values: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
+    ) -> None: ...
+
+    def _validate_group(self, group: dict[str, Any]) -> None: ...
+
+    def _clear_pending_step(self) -> None: ...
+
+
+def _torch_packing(opt: PagedState) -> dict[str, Any]:
+    """torch's own ``state_dict()`` of ``opt`` (param_groups + per-param ``step``), without
+    the paged override: every PagedState is a ``torch.optim.Optimizer``."""
+    return torch.optim.Optimizer.state_dict(opt)  # type: ignore[arg-type]
+
+
+def _params(opt: PagedState) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
+def to_torch(opt: PagedState) -> dict[str, Any]:
     """Gather the pages into a torch-format state dict (CPU tensors, fp32 state).
 
     For a DTensor (FSDP2) param the pages hold its local shard's state; each state tensor is
     returned as a DTensor with the param's placements, as torch's optimizers do, so DCP's
     ``get_optimizer_state_dict`` and ``dcp.save`` see the sharded layout.
     """
-    sd = torch.optim.Optimizer.state_dict(opt)  # param_groups + per-param "step"
+    sd = _torch_packing(opt)
     index = {id(p): i for i, p in enumerate(_params(opt))}
     full: dict[int, dict[str, torch.Tensor]] = {}
     for page in opt.pager.pages:
@@ -66,7 +98,7 @@ def to_torch(opt: PagedOptimizer) -> dict[str, Any]:
 
 
 def check_saved_groups(
-    opt: PagedOptimizer, state_dict: Any, how: str = "optimizer.state_dict()"
+    opt: PagedState, state_dict: Any, how: str = "optimizer.state_dict()"
 ) -> list[dict[str, Any]]:
     """The saved param groups of ``state_dict``, after checking it is a state dict with as
     many groups as ``opt`` (``how`` names what writes one, for the message)."""
@@ -93,7 +125,7 @@ def check_group_params(gi: int, group: dict[str, Any], saved: dict[str, Any]) ->
         )
 
 
-def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
+def from_torch(opt: PagedState, state_dict: dict[str, Any]) -> None:
     """Load a torch-format state dict into the pages; checks everything before changing any."""
     saved_groups = check_saved_groups(opt, state_dict)
     id_to_param: dict[Any, torch.Tensor] = {}
@@ -106,7 +138,7 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
             merged.setdefault(k, v)
         if isinstance(merged.get("betas"), list):
             merged["betas"] = tuple(merged["betas"])
-        opt._check_group(merged)
+        opt._validate_group(merged)
         specs = opt._state_specs(merged)
         if [s.name for s in specs] != [s.name for s in opt._state_specs(group)]:
             raise ValueError(
@@ -159,11 +191,11 @@ def from_torch(opt: PagedOptimizer, state_dict: dict[str, Any]) -> None:
             }
             opt._import_segment(group, values, {n: vs[k] for n, vs in views.items()})
         opt.pager.write_page(page, buf)
-    opt._pending_step = None
+    opt._clear_pending_step()
 
 
 def replace_groups_and_steps(
-    opt: PagedOptimizer, groups: list[dict[str, Any]], steps: dict[int, Any]
+    opt: PagedState, groups: list[dict[str, Any]], steps: dict[int, Any]
 ) -> None:
     """Allocate the pages, then install checked ``groups`` and each param's step count
     (``steps`` keyed by ``id(param)``; a param without one gets no state, as in torch)."""
@@ -179,7 +211,7 @@ def replace_groups_and_steps(
             opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
 
 
-def _header(opt: PagedOptimizer) -> dict[str, Any]:
+def _header(opt: PagedState) -> dict[str, Any]:
     def plain(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return v.item()
@@ -201,7 +233,7 @@ def _header(opt: PagedOptimizer) -> dict[str, Any]:
     }
 
 
-def save(opt: PagedOptimizer, path: str | os.PathLike) -> None:
+def save(opt: PagedState, path: str | os.PathLike) -> None:
     """Stream every page to ``path``; a crash mid-write leaves any old file intact."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -223,7 +255,7 @@ def save(opt: PagedOptimizer, path: str | os.PathLike) -> None:
         raise
 
 
-def load(opt: PagedOptimizer, path: str | os.PathLike) -> None:
+def load(opt: PagedState, path: str | os.PathLike) -> None:
     """Read a :func:`save` file into the pages; checks the layout before changing anything."""
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -254,4 +286,4 @@ def load(opt: PagedOptimizer, path: str | os.PathLike) -> None:
         for p, step in zip(group["params"], saved["steps"][gi]):
             if step is not None:
                 opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
-    opt._pending_step = None
+    opt._clear_pending_step()

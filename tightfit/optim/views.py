@@ -5,12 +5,14 @@ grad views, state views per name, step tensors, one entry per run of joined segm
 (:func:`tightfit.paging.coalesce.coalesce`). With hundreds of small params (LoRA) building
 them costs microseconds of Python per param every step; torch's own optimizer spends about
 half that. For a bucket of resident pages everything but the grads is the same from step to
-step, so it is kept in the store's ``view_cache`` and only the grad views are made afresh.
+step, so it is kept in the optimizer's view cache and only the grad views are made afresh.
 
-The cache is keyed by the pages' array objects (the store makes new ones whenever a page
-moves) and which params have a gradient; the store empties it whenever pages move (so it
-never keeps evicted memory alive) and the optimizer when its state is replaced. A param whose
-storage changed (``p.data = ...``) is caught by comparing data pointers.
+The cache is the optimizer's (a dict); paging only invalidates it. It is keyed by the pages'
+array objects (the store makes new ones whenever a page moves; :meth:`Page.owns` tells them
+from a window slot's) and which params have a gradient. The store empties it whenever pages
+move or it closes (:meth:`PageStore.on_move`: it never keeps evicted memory alive), the
+optimizer when its state is replaced. A param whose storage changed (``p.data = ...``) is
+caught by comparing data pointers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from tightfit.paging.layout import Page
 
 _MAX_ENTRIES = 64  # resident batches per step are few (one per layout, or one per streamed page)
 
-Lists = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, list[torch.Tensor]], list]
+Group = dict[str, Any]  # a param group
+Tensors = list[torch.Tensor]  # parallel flat views: params, grads, one state array or steps
+StateLists = dict[str, Tensors]  # per state name, its views
+Lists = tuple[Tensors, Tensors, StateLists, Tensors]  # what an update gets: see bucket_lists
 
 
 def bucket_lists(
@@ -43,9 +48,9 @@ def bucket_lists(
         params: the group's params.
         bucket: ``(page, arrays)`` pairs of one group, param dtype and layout.
         limit: longest joined run in elements (``None``: no limit).
-        cache: the store's ``view_cache``.
+        cache: the optimizer's view cache.
     """
-    resident = all(arrays is page._arrays for page, arrays in bucket)
+    resident = all(page.owns(arrays) for page, arrays in bucket)
     key = None
     if resident:
         key = (

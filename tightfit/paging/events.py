@@ -1,7 +1,8 @@
-"""A record of what the pager did and why: one event per decision that moved bytes.
+"""A record of what the pager did and why: one event per decision that moved bytes, and the
+traffic counters.
 
-The step sweep does not log here (its traffic is summed in the counters); explicit residency
-changes do — evictions under pressure, restores, budget changes — so a report can say when
+The step sweep does not log here (its traffic is summed in :class:`PagingCounters`); explicit
+residency changes do — evictions under pressure, restores, budget changes — so a report can say when
 pages left the device, how many bytes, and what forced it.
 """
 
@@ -33,6 +34,16 @@ class PagingEvent:
     pages: int
     src: str
     dst: str
+
+
+@dataclass
+class PagingCounters:
+    """Cumulative traffic of a store (bytes are bytes of optimizer state)."""
+
+    bytes_paged_in: int = 0  # into the device tier
+    bytes_paged_out: int = 0  # out of the device tier
+    page_faults: int = 0  # pages needed by an update that were not resident
+    stall_seconds: float = 0.0  # time the update waited for copies
 
 
 @dataclass

@@ -11,6 +11,7 @@ share a page. This module is pure bookkeeping: no tensor is allocated here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,29 @@ class Page:
     # the store's views of a device/host-tier page's arrays, and the segment views on them
     _arrays: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _views: tuple | None = field(default=None, repr=False, compare=False)
+
+    def owns(self, arrays: dict[str, torch.Tensor]) -> bool:
+        """Whether ``arrays`` are the store's own views of this page's memory in the device or
+        host tier (:meth:`~tightfit.paging.store.PageStore.arrays`): the same objects until the
+        page moves, so they can key a cache. A window slot's views or a copy's are not."""
+        return arrays is self._arrays
+
+    def copy_state(
+        self,
+        dst: torch.Tensor | dict[str, torch.Tensor],
+        src: torch.Tensor | dict[str, torch.Tensor],
+        copy: Callable[[torch.Tensor, torch.Tensor], object] = torch.Tensor.copy_,
+    ) -> None:
+        """Copy this page's state from ``src`` to ``dst``, each its bytes in the one-buffer
+        format or its typed arrays (a slab's views): one copy when both are buffers, else one
+        per array. ``copy(dst, src)`` does each copy (a tier move passes its engine's)."""
+        if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+            copy(dst, src)
+            return
+        dst_arrays = self.array_views(dst) if isinstance(dst, torch.Tensor) else dst
+        src_arrays = self.array_views(src) if isinstance(src, torch.Tensor) else src
+        for name, view in dst_arrays.items():
+            copy(view, src_arrays[name])
 
     def array_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed flat views of each state array inside ``buf`` (this page's bytes)."""

@@ -5,34 +5,27 @@ stays on the device (as many as the budget allows after reserving a small stream
 the rest stream through the window every step. That moves the minimum, 2 × the non-resident
 bytes per step. The store also exposes the primitives the pressure logic needs — lower or raise
 the device limit (evicting or restoring pages by bytes) with an event per change.
+
+Every byte that changes tier goes through the store's copy engine (the sweep's and a re-plan's
+alike); whoever caches views of page memory registers with :meth:`PageStore.on_move`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tightfit.measure import tracker
-from tightfit.paging.events import EventLog
+from tightfit.paging.events import EventLog, PagingCounters
 from tightfit.paging.layout import Page
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
 from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
 from tightfit.tiers.spill import SpillArea
 
 WINDOW_SLOTS = 2  # current page + one being prefetched
-
-
-@dataclass
-class PagingCounters:
-    """Cumulative traffic of a store (bytes are bytes of optimizer state)."""
-
-    bytes_paged_in: int = 0  # into the device tier
-    bytes_paged_out: int = 0  # out of the device tier
-    page_faults: int = 0  # pages needed by an update that were not resident
-    stall_seconds: float = 0.0  # time the update waited for copies
 
 
 class PageStore:
@@ -48,6 +41,12 @@ class PageStore:
         slabs: keep device-tier pages in slabs (one array per state name per run of pages,
             see :mod:`tightfit.paging.slab`) instead of one buffer per page. ``None``: on the
             CPU where the platform can release part of a mapping (Linux), else not.
+        engine: the copy engine that moves pages (``None``: :class:`CopyEngine` on the CPU,
+            :class:`CudaCopyEngine` otherwise); the store closes it.
+        emulate_accelerator: for tests and emulation only: treat a CPU ``device`` as an
+            accelerator's, with a separate host tier (``host_budget`` honoured, pinned buffers
+            requested), one buffer per page and a :class:`CudaCopyEngine` by default, as on
+            CUDA (``tests/tiers/test_copy_emulated.py`` fakes its streams and pinning).
     """
 
     def __init__(
@@ -58,14 +57,15 @@ class PageStore:
         host_budget: int | None,
         spill_dir: str | os.PathLike | None,
         slabs: bool | None = None,
+        engine: CopyEngine | None = None,
+        emulate_accelerator: bool = False,
     ) -> None:
-        if slabs and (device.type != "cpu" or not slabs_supported()):
-            raise ValueError(
-                f"slabs=True needs params on the CPU of a platform with madvise (Linux); the "
-                f"params are on {device}: pass slabs=None"
-            )
         self.device = device
-        self.on_cpu = device.type == "cpu"
+        self._emulated = emulate_accelerator and device.type == "cpu"
+        if slabs and (not self.on_cpu or not slabs_supported()):
+            where = f"{device} (as an accelerator)" if self._emulated else str(device)
+            raise ValueError(f"slabs=True needs params on the CPU of a platform with madvise "
+                             f"(Linux); the params are on {where}: pass slabs=None")
         self.page_bytes = page_bytes
         self.device_budget = device_budget
         self.host_budget = None if self.on_cpu else host_budget
@@ -74,18 +74,33 @@ class PageStore:
         self.spill = SpillArea(spill_dir)
         self.events = EventLog()
         self.counters = PagingCounters()
-        self.engine: CopyEngine = CopyEngine() if self.on_cpu else CudaCopyEngine(device)
+        self.engine = engine or (CopyEngine() if self.on_cpu else CudaCopyEngine(device))
         self.slots: list[torch.Tensor] = []
         self.materialized = False
         self.device_bytes = 0
         self.host_bytes = 0
         self.peak_device_bytes = 0
         self._spill_sizes: dict[int, int] = {}
-        self.use_slabs = device.type == "cpu" and slabs_supported() if slabs is None else slabs
+        self.use_slabs = self.on_cpu and slabs_supported() if slabs is None else slabs
         self._slabs: dict[int, Slab] = {}  # page index -> the slab holding it on the device
-        # the update's lists per resident batch (tightfit.optim.views); emptied by every move
-        self.view_cache: dict = {}
+        self._move_listeners: list[Callable[[], None]] = []
         self._closed = False
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether device and host are one tier (the params are on the CPU, not emulating an
+        accelerator): then the next tier is disk."""
+        return self.device.type == "cpu" and not self._emulated
+
+    def on_move(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` before pages move (each re-plan) and when the store closes:
+        a cache of views of page memory (the optimizer's update lists) dropped there never
+        keeps an evicted page's memory alive, nor a stale view."""
+        self._move_listeners.append(callback)
+
+    def _pages_moving(self) -> None:
+        for callback in self._move_listeners:
+            callback()
 
     # ------------------------------------------------------------------ layout
     def add_pages(self, pages: list[Page]) -> None:
@@ -149,7 +164,7 @@ class PageStore:
         """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any."""
         tiers, nslots = self.plan()
         self.engine.synchronize()
-        self.view_cache.clear()  # it holds views of pages that may move now
+        self._pages_moving()  # cached views of pages that may move now must go first
         moves: dict[tuple[str, str], list[int]] = {}
         # Leave the device first so the peak never exceeds the limit mid-move.
         order = sorted(range(len(self.pages)), key=lambda i: tiers[i] == "device")
@@ -265,12 +280,12 @@ class PageStore:
             elif page.spill_valid:
                 copied = 0
             else:
-                _copy_page(page, region, data)
+                page.copy_state(region, data, self.engine.copy)
             page.spill_valid = True
         elif dst == "device" and slab is not None:
             # fresh slab memory reads as zeros, and so does a released range
             if data is not None:
-                _copy_page(page, slab.views(page), data)
+                page.copy_state(slab.views(page), data, self.engine.copy)
             self._count_device(page.nbytes)
             tracker.external_allocated((slab, page.index), page.nbytes)  # MemoryTracker sees it
         else:
@@ -278,7 +293,7 @@ class PageStore:
             if data is None:
                 new_buf.zero_()
             else:
-                _copy_page(page, new_buf, data)
+                page.copy_state(new_buf, data, self.engine.copy)
         if src in ("device", "host"):
             self._release(src, page.nbytes)
         page.buf, page.tier = new_buf, dst
@@ -313,7 +328,7 @@ class PageStore:
         if page.buf is not None:
             return page.buf.to("cpu", copy=True)
         out = torch.zeros(page.nbytes, dtype=torch.uint8)  # zeros: alignment gaps are defined
-        _copy_page(page, out, self.arrays(page))
+        page.copy_state(out, self.arrays(page))
         return out
 
     def write_page(self, page: Page, data: torch.Tensor) -> None:
@@ -325,7 +340,7 @@ class PageStore:
         elif page.buf is not None:
             page.buf.copy_(data)
         else:
-            _copy_page(page, self.arrays(page), data)
+            page.copy_state(self.arrays(page), data)
 
     # ------------------------------------------------------------------ reporting
     def disk_bytes(self) -> int:
@@ -376,25 +391,9 @@ class PageStore:
                 page._arrays = page._views = None
                 page.tier = "closed"
             self.slots = []
-            self.view_cache.clear()
+            self._pages_moving()
             for slab in dict.fromkeys(self._slabs.values()):
                 slab.close()
             self._slabs = {}
             self.device_bytes = self.host_bytes = 0
             self.spill.close()
-
-
-def _copy_page(
-    page: Page,
-    dst: torch.Tensor | dict[str, torch.Tensor],
-    src: torch.Tensor | dict[str, torch.Tensor],
-) -> None:
-    """Copy a page's state from ``src`` to ``dst``, each its bytes in the one-buffer format
-    or its typed arrays (a slab's views): one copy when both are buffers, else one per array."""
-    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        dst.copy_(src)
-        return
-    dst_arrays = page.array_views(dst) if isinstance(dst, torch.Tensor) else dst
-    src_arrays = page.array_views(src) if isinstance(src, torch.Tensor) else src
-    for name, view in dst_arrays.items():
-        view.copy_(src_arrays[name])

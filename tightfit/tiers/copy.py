@@ -141,6 +141,11 @@ class CopyEngine:
         """Start writing an updated slot back to the page's home."""
         self._pending.append(self._pool.submit(home.copy_, slot))
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` now, in the caller's order (the moves between tiers that
+        happen between steps, where nothing is left to overlap with: see ``PageStore``)."""
+        dst.copy_(src)
+
     def drain(self) -> float:
         """Wait for every write-back (re-raising a failed one); returns seconds blocked."""
         t0 = time.perf_counter()

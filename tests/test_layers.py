@@ -51,12 +51,16 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` for every tightfit module the file imports, lazily or not."""
+def imports_of(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """``(line, module)`` for every tightfit module the file imports, lazily or not.
+
+    ``source`` stands in for the file's text (the checker's own tests use it).
+    """
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    text = path.read_text() if source is None else source
+    for node in ast.walk(ast.parse(text, str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -138,8 +142,42 @@ def test_no_import_cycle_between_files() -> None:
     assert not cycles, "import cycles between files:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-def test_the_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
-    # The checker itself: an import inside a function is found and resolved to its file.
-    found = dict((t, line) for line, t in imports_of(PACKAGE / "train" / "loop.py"))
-    assert "tightfit.report.report" in found
-    assert level_of("tightfit.paging.store") < level_of("tightfit.optim.base")
+def test_the_check_sees_lazy_relative_and_type_checking_imports() -> None:
+    # The checker itself, on made-up sources placed in the paging folder: every kind of
+    # import that runs upward must be found, resolved to its file and judged upward.
+    here = PACKAGE / "paging" / "store.py"
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from tightfit.optim.base import PagedOptimizer\n"
+        "def f():\n    from tightfit.train import loop\n"
+        "from ..planner import ladder\n"
+        "import tightfit.report.report\n"
+        "from . import layout\n"
+    )
+    found = {t: line for line, t in imports_of(here, source)}
+    assert found == {"tightfit.optim.base": 3, "tightfit.train.loop": 5,
+                     "tightfit.planner.ladder": 6, "tightfit.report.report": 7,
+                     "tightfit.paging.layout": 8}
+    upward = {t for t in found if level_of(t) > level_of("tightfit.paging.store")}
+    assert upward == {"tightfit.optim.base", "tightfit.train.loop", "tightfit.planner.ladder",
+                      "tightfit.report.report"}
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_small() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        if text.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {text.count(chr(10))} lines (> {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}(): {n} lines "
+                                    f"(> {MAX_FUNCTION_LINES})")
+    assert not too_long, "split these:\n" + "\n".join(too_long)

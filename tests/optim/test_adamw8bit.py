@@ -218,10 +218,10 @@ def test_close_removes_spill_files(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"lr": -1.0}, "lr=-1.0 is negative"),
-    ({"betas": (0.9, 1.0)}, r"betas\[1\]"),
-    ({"eps": 0.0}, "eps=0.0 must be > 0"),
-    ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+    ({"lr": -1.0}, "Invalid learning rate: -1.0"),
+    ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1"),
+    ({"eps": -1e-8}, "Invalid epsilon value"),
+    ({"weight_decay": -0.1}, "Invalid weight_decay value: -0.1"),
     ({"backend": "cuda"}, "is not one of"),
     ({"min_8bit_size": -1}, "min_8bit_size=-1"),
     ({"device_budget": 100}, "below one page"),

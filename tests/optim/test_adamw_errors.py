@@ -12,14 +12,14 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"lr": -1e-3}, ValueError, "lr=.*negative"),
-    ({"lr": float("nan")}, ValueError, "lr="),
-    ({"betas": (1.0, 0.999)}, ValueError, r"betas\[0\]=1.0 is outside \[0, 1\)"),
-    ({"betas": (0.9, -0.1)}, ValueError, r"betas\[1\]"),
+    ({"lr": -1e-3}, ValueError, "Invalid learning rate: -0.001; pass a learning rate >= 0"),
+    ({"lr": float("nan")}, ValueError, "Invalid learning rate: nan"),
+    ({"betas": (1.0, 0.999)}, ValueError,
+     r"Invalid beta parameter at index 0: 1.0; each beta must be in \[0, 1\)"),
+    ({"betas": (0.9, -0.1)}, ValueError, "Invalid beta parameter at index 1"),
     ({"betas": 0.9}, TypeError, "must be a pair"),
-    ({"eps": 0.0}, ValueError, "eps=0.0 must be > 0"),
-    ({"eps": -1e-8}, ValueError, "eps="),
-    ({"weight_decay": -0.1}, ValueError, "weight_decay=.*negative"),
+    ({"eps": -1e-8}, ValueError, "Invalid epsilon value: -1e-08; pass eps >= 0"),
+    ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value: -0.1; pass weight_decay"),
     ({"page_bytes": 0}, ValueError, "page_bytes"),
     ({"page_bytes": -5}, ValueError, "page_bytes"),
     ({"page_bytes": 4096, "device_budget": 4095}, ValueError, "below one page"),
@@ -29,7 +29,7 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
     ({"page_bytes": 8}, ValueError, "cannot hold even one"),
     ({"capturable": True}, ValueError, "capturable=True is not supported"),
     ({"differentiable": True}, ValueError, "differentiable=True is not supported"),
-    ({"fused": True, "foreach": True}, ValueError, "exclude each other"),
+    ({"fused": True, "foreach": True}, RuntimeError, "cannot be `True` together; pass one"),
 ])
 @pytest.mark.parametrize("cls", [PagedAdamW, PagedAdam])
 def test_bad_hyperparameters_raise(cls, kwargs, error, match) -> None:
@@ -39,7 +39,7 @@ def test_bad_hyperparameters_raise(cls, kwargs, error, match) -> None:
 
 def test_bad_group_hyperparameters_raise_before_the_group_is_added() -> None:
     opt = PagedAdamW([torch.randn(10)])
-    with pytest.raises(ValueError, match="lr="):
+    with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.add_param_group({"params": [torch.randn(5)], "lr": -1.0})
     assert len(opt.param_groups) == 1 and len(opt.pager.pages) == 1
     opt.close()
@@ -61,8 +61,8 @@ def test_other_bad_params_raise() -> None:
         PagedAdamW([])
     with pytest.raises(TypeError, match="float params"):
         PagedAdamW([torch.zeros(3, dtype=torch.long)])
-    with pytest.raises(ValueError, match="not contiguous"):
-        PagedAdamW([torch.randn(4, 4).t()])
+    with pytest.raises(TypeError, match="optimize Tensors, but one of the params is int"):
+        PagedAdamW([torch.randn(3), 5])
 
 
 def test_sparse_gradients_raise_before_anything_changes() -> None:
@@ -71,7 +71,7 @@ def test_sparse_gradients_raise_before_anything_changes() -> None:
     opt = PagedAdamW([a, b], lr=0.1)
     a.grad = torch.ones(6)
     b.grad = torch.ones(6).to_sparse()
-    with pytest.raises(TypeError, match="sparse gradients"):
+    with pytest.raises(RuntimeError, match="sparse gradients"):
         opt.step()
     assert torch.equal(a, a0) and torch.equal(b, b0) and len(opt.state) == 0
     opt.close()

@@ -123,10 +123,10 @@ def test_lion8bit_state_dict_round_trip_and_torch_format() -> None:
 
 @pytest.mark.parametrize("cls", [PagedLion, PagedLion8bit])
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"lr": -1.0}, "lr=-1.0 is negative"),
-    ({"betas": (1.0, 0.99)}, r"betas\[0\]"),
+    ({"lr": -1.0}, "Invalid learning rate: -1.0"),
+    ({"betas": (1.0, 0.99)}, "Invalid beta parameter at index 0"),
     ({"betas": 0.9}, "must be a pair"),
-    ({"weight_decay": -1.0}, "weight_decay=-1.0"),
+    ({"weight_decay": -1.0}, "Invalid weight_decay value: -1.0"),
     ({"page_bytes": 0}, "page_bytes"),
 ])
 def test_bad_input(cls, kwargs: dict, match: str) -> None:

@@ -23,10 +23,13 @@ CLASSES = [PagedAdamW, PagedAdam, PagedAdamW8bit, PagedAdam8bit, PagedLion, Page
 TORCH_ARGS = {
     PagedAdamW: ["params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
                  "foreach", "capturable", "differentiable", "fused"],
-    PagedAdamW8bit: ["params", "lr", "betas", "eps", "weight_decay", "min_8bit_size", "backend"],
-    PagedLion: ["params", "lr", "betas", "weight_decay"],
-    PagedLion8bit: ["params", "lr", "betas", "weight_decay", "min_8bit_size", "backend"],
-    PagedSGD: ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"],
+    PagedAdamW8bit: ["params", "lr", "betas", "eps", "weight_decay", "min_8bit_size", "backend",
+                     "foreach", "fused", "capturable", "differentiable"],
+    PagedLion: ["params", "lr", "betas", "weight_decay", "foreach", "fused", "capturable", "differentiable"],
+    PagedLion8bit: ["params", "lr", "betas", "weight_decay", "min_8bit_size", "backend",
+                    "foreach", "fused", "capturable", "differentiable"],
+    PagedSGD: ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
+               "foreach", "differentiable", "fused", "capturable"],
 }  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

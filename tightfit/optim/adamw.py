@@ -3,9 +3,11 @@
 Only the layout (``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``; fp32) and
 the call into torch's kernels live here; paging is the base class's. The kernels are torch's
 fused ``_fused_adamw_``/``_fused_adam_`` where the device supports them (they only read the
-step counts, which the base class increments once per param), else torch's functional foreach
-``adam``, given step tensors one behind the param's count because it increments them itself
-and a param split across pages must not be counted twice.
+step counts, which the base class increments once per param), else torch's functional
+``adam`` (foreach, or its single-tensor loop with ``foreach=False``: the flags select as in
+:func:`tightfit.optim.hyper.implementation`), given step tensors one behind the param's
+count because it increments them itself and a param split across pages must not be counted
+twice.
 """
 
 from __future__ import annotations
@@ -23,19 +25,11 @@ from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
 
-def _fused_supported(device: torch.device) -> bool:
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # pragma: no cover - older torch
-        return device.type == "cuda"
-    return device.type in _get_fused_kernels_supported_devices()
-
-
 def check_adam_group(group: dict[str, Any]) -> None:
     """The hyperparameter rules of torch's AdamW/Adam (8-bit Adam's too: same rules, same words)."""
     hyper.check_graph_flags(group, "torch.optim.AdamW")
-    hyper.check_lr(group["lr"])
-    hyper.check_betas(group["betas"])
+    hyper.check_lr(group["lr"], group=group)
+    hyper.check_betas(group["betas"], group=group)
     hyper.check_eps(group["eps"])
     hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
 
@@ -51,12 +45,14 @@ class PagedAdamW(PagedOptimizer):
         weight_decay: decoupled weight decay (>= 0).
         amsgrad: keep the running maximum of ``exp_avg_sq``.
         maximize: maximize the objective instead of minimizing it.
-        foreach: ``True`` (with ``fused=None``) uses torch's foreach kernels instead of fused.
+        foreach: ``True``: torch's foreach kernels; ``False``: torch's single-tensor loop;
+            ``None``: see ``fused``.
         capturable: must be ``False`` (CUDA-graph capture cannot page); kept for torch's
             signature and state dicts.
         differentiable: must be ``False`` (paged state is not part of an autograd graph).
-        fused: use torch's fused kernel (``None``: where the device supports it, unless
-            ``foreach=True``).
+        fused: ``True``: torch's fused kernel (honours the AMP scaler's ``grad_scale`` and
+            ``found_inf``); ``None`` with ``foreach=None``: fused where the device has it,
+            else foreach; ``False``: foreach.
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
             :class:`~tightfit.optim.options.PagingOptions`.
@@ -100,16 +96,20 @@ class PagedAdamW(PagedOptimizer):
             "decoupled_weight_decay": self._decoupled,
         }
         super().__init__(params, defaults, **paging)
+        if fused:  # as torch: the AMP scaler leaves unscaling and the inf check to step()
+            self._step_supports_amp_scaling = True
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
-        super().load_state_dict(state_dict)
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        super()._load(state_dict)
         if self._decoupled:  # as torch.optim.AdamW.__setstate__: AdamW always decouples
             for group in self.param_groups:
                 group["decoupled_weight_decay"] = True
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_adam_group(group)
+
+    def _takes_grad_scale(self, group: dict[str, Any]) -> bool:
+        return hyper.implementation(group, self.pager.device) == "fused"
 
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
@@ -120,12 +120,10 @@ class PagedAdamW(PagedOptimizer):
     ) -> None:
         # AdamW always decouples (as torch.optim.AdamW); Adam follows its group, as torch.optim.Adam
         decoupled = self._decoupled or bool(group.get("decoupled_weight_decay", False))
-        fused = group.get("fused")
-        if fused is None:
-            fused = _fused_supported(params[0].device) and not group.get("foreach")
-        beta1, beta2 = group["betas"]
+        impl = hyper.implementation(group, params[0].device)
+        beta1, beta2 = hyper.scalar(group["betas"][0]), hyper.scalar(group["betas"][1])
         lr = group["lr"]
-        if fused:
+        if impl == "fused":
             # torch's fused kernel itself: it only reads the step counts (torch's wrapper adds
             # 1 first, which we did once per param at the start of the step).
             kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -134,6 +132,7 @@ class PagedAdamW(PagedOptimizer):
             on_other = isinstance(lr, torch.Tensor) and lr.device != params[0].device
             if on_other and lr.device.type != "cpu":
                 lr = lr.to(params[0].device)
+            scale = self._grad_scale
             kernel(
                 params,
                 grads,
@@ -148,8 +147,11 @@ class PagedAdamW(PagedOptimizer):
                 eps=group["eps"],
                 amsgrad=group["amsgrad"],
                 maximize=group["maximize"],
+                grad_scale=None if scale is None else scale.to(params[0].device),
             )
             return
+        if impl == "foreach" and isinstance(lr, torch.Tensor):
+            lr = lr.item()  # torch's foreach kernels take lr as a number
         _adam_functional(
             params,
             grads,
@@ -157,7 +159,7 @@ class PagedAdamW(PagedOptimizer):
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []),
             torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
-            foreach=True,
+            foreach=impl == "foreach",
             fused=False,
             decoupled_weight_decay=decoupled,
             amsgrad=group["amsgrad"],

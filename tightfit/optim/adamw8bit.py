@@ -15,8 +15,8 @@ from typing import Any, Unpack
 import torch
 from torch.optim.adam import adam as _adam_functional
 
-from tightfit.optim import quant8
-from tightfit.optim.adamw import _fused_supported, check_adam_group
+from tightfit.optim import hyper, quant8
+from tightfit.optim.adamw import check_adam_group
 from tightfit.optim.options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.optim.views import Group, StateLists, Tensors
@@ -37,6 +37,10 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"``: bitsandbytes' kernel where it has one (CUDA, XPU, CPU), plain
             torch elsewhere; ``"bitsandbytes"``; ``"torch"``.
+        foreach, fused: torch's flags; they choose torch's kernels for the fp32 math (params
+            under ``min_8bit_size``, and the ``backend="torch"`` path), as in
+            :class:`~tightfit.optim.adamw.PagedAdamW`.
+        capturable, differentiable: must be ``False`` (torch's flags; paged state is neither).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
             :class:`~tightfit.optim.options.PagingOptions`.
@@ -61,18 +65,24 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         **paging: Unpack[PagingOptions],
     ) -> None:
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "foreach": foreach, "fused": fused, "capturable": capturable,
+                    "differentiable": differentiable}  # fmt: skip
         super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_adam_group(group)
 
     def _kernel_args(self, group: dict[str, Any]) -> tuple[float, float, float, float]:
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = (hyper.scalar(b) for b in group["betas"])
         wd = float(group["weight_decay"]) if self._decoupled else 0.0
-        return float(beta1), float(beta2), float(group["eps"]), wd
+        return beta1, beta2, float(group["eps"]), wd
 
     def _kernel_grad(
         self, group: dict[str, Any], param: torch.Tensor, grad: torch.Tensor
@@ -86,8 +96,11 @@ class PagedAdamW8bit(Paged8bitOptimizer):
     def _update_fp32(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
-        fused = _fused_supported(params[0].device)
-        beta1, beta2 = group["betas"]
+        impl = hyper.implementation(group, params[0].device)
+        beta1, beta2 = (hyper.scalar(b) for b in group["betas"])
+        lr = group["lr"]
+        if impl != "fused" and isinstance(lr, torch.Tensor):
+            lr = lr.item()  # torch's foreach kernels take lr as a number
         _adam_functional(
             params,
             grads,
@@ -95,13 +108,13 @@ class PagedAdamW8bit(Paged8bitOptimizer):
             states["state2"],
             [],
             torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
-            foreach=not fused,
-            fused=fused,
+            foreach=impl == "foreach",
+            fused=impl == "fused",
             decoupled_weight_decay=self._decoupled,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
-            lr=group["lr"],
+            lr=lr,
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=False,

@@ -2,7 +2,9 @@
 
 The base class owns the page store and the step sweep; a subclass supplies only
 
-* ``_state_specs(group)`` — the state arrays (names, dtypes, blocks) a group needs;
+* ``_state_specs(group)`` — the state arrays (names, dtypes, blocks) a group needs (fp32;
+  float64 and complex128 params get them in float64, as torch keeps state in the param's
+  precision);
 * ``unit`` — element alignment of params and page splits (256 for blockwise 8-bit state);
 * ``_check_group(group)`` — hyperparameter validation (raise before anything changes; the base
   calls it on ``defaults`` first thing, and on each group added);
@@ -12,42 +14,47 @@ The base class owns the page store and the step sweep; a subclass supplies only
   to/from torch's state-dict tensors (default: copy arrays of the same name).
 
 A subclass's constructor takes torch's arguments, then ``**paging`` (:class:`PagingOptions`)
-passed on unchanged. The state files use only the public API and the "friend API" below.
+passed on unchanged. The state files use only the public API and the "friend API" below;
+``optimizer.state[p]`` is a :class:`~tightfit.optim.param_state.ParamState`; the torch state
+API (state dicts with hooks, pickling) is :mod:`tightfit.optim.torch_api`'s mixin.
 
-See ``docs/paging.md`` ("Extending: a new paged optimizer").
+See ``docs/paging.md`` ("Extending: a new paged optimizer") and ``docs/optimizers.md``
+("torch.optim compatibility").
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, options, state_io, views
-from tightfit.optim.dtensor import local_tensor
+from tightfit.optim import checks, options, views
+from tightfit.optim.groups import GroupLayout
+from tightfit.optim.memory_api import MemoryAPI
 from tightfit.optim.options import DEFAULT_PAGE_BYTES, PagingOptions
+from tightfit.optim.param_state import ParamState, StateAccess, adopt_plain_states, step_tensor
+from tightfit.optim.torch_api import TorchAPI
 from tightfit.optim.views import Group, StateLists, Tensors
-from tightfit.paging.events import PagingEvent
-from tightfit.paging.layout import Page, StateSpec, build_pages
+from tightfit.paging.interrupts import hold_interrupts
+from tightfit.paging.layout import Page, StateSpec
 from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
-from tightfit.paging.probes import Probe
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
-from tightfit.paging.watch import PressureWatch
+from tightfit.tiers.copy import CopyEngine
 
 __all__ = ["DEFAULT_PAGE_BYTES", "PagedOptimizer", "PagingOptions"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-class PagedOptimizer(torch.optim.Optimizer):
+class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
     """Base of the paged optimizers (see the module docstring for the subclass contract).
 
     Args:
-        params: iterable of params or of param-group dicts, as for any torch optimizer.
+        params: iterable of params, of ``(name, param)`` pairs (``named_parameters()``) or of
+            param-group dicts, as for any torch optimizer.
         defaults: default hyperparameters of the subclass.
         **paging: the paging and pressure options, documented once in
             :class:`~tightfit.optim.options.PagingOptions` (``page_bytes``,
@@ -71,38 +78,83 @@ class PagedOptimizer(torch.optim.Optimizer):
         **paging: Unpack[PagingOptions],
     ) -> None:
         opts = options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
+        params = checks.intake(params)  # torch's TypeError for a bare tensor, empty lists
         self._check_group(defaults)  # bad hyperparameters raise before any state exists
         checks.check_paging_options(
             opts["page_bytes"], opts["device_budget"], opts["host_budget"], opts["spill_dir"]
         )
-        params = list(params)
         device = checks.common_device(params)
+        self._paging = opts
         self._page_bytes = opts["page_bytes"]
-        self._store = self._new_store(device, opts)
         # the update lists cached per resident bucket (tightfit.optim.views): ours, emptied
         # by the store whenever pages move or it closes, and by us when the state is replaced
         self._view_cache: dict[Any, Any] = {}
-        self._store.on_move(self._view_cache.clear)
-        # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
+        self._access = StateAccess(self)  # optimizer.state[p]'s reads and writes
         self._pressure: OccupancyControl | None = None
-        if opts["target"] is not None or opts["probe"] is not None:
-            self._pressure = OccupancyControl(self._store, opts["probe"], opts["target"])
+        self._finalizer: weakref.finalize | None = None
+        self._install_store(device)
         self._oom_recoveries = 0
-        self._finalizer = weakref.finalize(self, self._store.close)
         self._group_pages: list[list[Page]] = []
+        self._group_params: list[list[torch.Tensor]] = []  # each group's list when laid out
+        self._maybe_staged: set[int] = set()  # params whose memory may not be in page order
         self._step_id = 0
         self._pending_step: int | None = None
+        self._grad_scale: torch.Tensor | None = None  # the AMP scaler's, during a step
         self._closed = False
         super().__init__(params, defaults)
 
     def _new_store(self, device: torch.device, paging: PagingOptions) -> PageStore:
-        """The page store, built once by the constructor: the one place it is made, which
-        tests and emulation override to give it their own copy engine (``engine=``) or to
-        emulate an accelerator's tiers on the CPU (``emulate_accelerator=True``)."""
+        """The page store, built by the constructor (and again when meta params were
+        materialized): the one place it is made, which tests and emulation override to give
+        it their own copy engine (``engine=``) or to emulate an accelerator's tiers on the
+        CPU (``emulate_accelerator=True``)."""
+        meta = device.type == "meta"  # a placeholder until the params get real memory
         return PageStore(
             device, paging["page_bytes"], paging["device_budget"], paging["host_budget"],
-            paging["spill_dir"], slabs=self._slabs,
+            paging["spill_dir"], slabs=None if meta else self._slabs,
+            engine=CopyEngine() if meta else None,
         )  # fmt: skip
+
+    def _install_store(self, device: torch.device) -> None:
+        store = self._new_store(device, self._paging)
+        store.on_move(self._view_cache.clear)
+        if self._finalizer is not None:
+            self._finalizer()  # closes the store being replaced
+        if self._pressure is not None:
+            self._pressure.close()
+        self._store = store
+        self._finalizer = weakref.finalize(self, store.close)
+        # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
+        self._pressure = None
+        if self._paging["target"] is not None or self._paging["probe"] is not None:
+            self._pressure = OccupancyControl(store, self._paging["probe"], self._paging["target"])
+
+    def _follow_device(self, action: str | None) -> None:
+        """Meta params (built under ``torch.device("meta")``) hold no data: the store waits.
+        Once they are materialized (``module.to_empty(device=...)``) the pages are laid out
+        on their device; ``action`` (a step, a load) needs that and raises until then."""
+        if self._store.device.type != "meta":
+            return
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if not devices or any(d.type == "meta" for d in devices):
+            if action is None:
+                return
+            raise RuntimeError(
+                f"params are on the meta device, so {action} cannot run: `fused=True` requires "
+                "all the params to be floating point Tensors of supported devices, and meta "
+                "tensors hold no data; materialize them first (module.to_empty(device=...), "
+                "then initialize them): the optimizer follows them to that device"
+            )
+        if len(devices) > 1:
+            found = ", ".join(sorted(map(str, devices)))
+            raise ValueError(
+                f"params were materialized on different devices ({found}); a paged optimizer "
+                "pages state for one device: move them to one device"
+            )
+        device = devices.pop()
+        pages = list(self._store.pages)
+        self._install_store(device)  # the meta store is closed; its pages were never made
+        self._store.add_pages(pages)
 
     # ------------------------------------------------------------------ subclass contract
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
@@ -122,6 +174,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` for bad hyperparameters in ``group``."""
 
+    def _check_param(self, param: torch.Tensor) -> None:
+        """Raise ``TypeError`` for a param this optimizer cannot update (default: none)."""
+
     def _update(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
@@ -132,11 +187,16 @@ class PagedOptimizer(torch.optim.Optimizer):
         are reused across steps (``tightfit.optim.views``): never append to or reorder them."""
         raise NotImplementedError
 
+    def _takes_grad_scale(self, group: dict[str, Any]) -> bool:
+        """Whether ``_update`` unscales the grads itself by ``self._grad_scale`` (a fused
+        kernel's ``grad_scale=``); otherwise the base hands it unscaled copies."""
+        return False
+
     def _export_segment(
         self, group: dict[str, Any], views: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Torch state-dict tensors (flat, fp32) of one segment of state."""
-        return {name: v.float() for name, v in views.items()}
+        """Torch state-dict tensors (flat; fp32, or float64 as stored) of one segment."""
+        return {name: v if v.dtype == torch.float64 else v.float() for name, v in views.items()}
 
     def _import_segment(
         self, group: dict[str, Any], values: dict[str, torch.Tensor], views: dict[str, torch.Tensor]
@@ -145,9 +205,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         for name, view in views.items():
             view.copy_(values[name])
 
+    def _constant_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fixed tensors ``state[param]`` shows besides its paged arrays (none here; an 8-bit
+        layout's quantization maps)."""
+        return {}
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        """Constructor keywords beyond the hyperparameters, for copies (the paging options)."""
+        return dict(self._paging)
+
     # ------------------------------------------------------------------ friend API
-    # What state_io/state8bit use beyond the public API (typed there as Protocols: they never
-    # import this module): the hooks _state_specs/_export_segment/_import_segment and these.
+    # What state_io/state8bit/param_state use beyond the public API (typed there as
+    # Protocols: they never import this module): the hooks above and these.
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` for bad hyperparameters in a complete group
         (``defaults`` merged in); changes nothing."""
@@ -157,40 +226,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Forget a step that stopped part-way: the whole state was just replaced (a load)."""
         self._pending_step = None
 
-    # ------------------------------------------------------------------ param groups
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (validated first) and lay out its state pages."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
-        ps = group["params"]
-        if isinstance(ps, set):
-            raise TypeError("params must be an ordered collection (list), not a set")
-        group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        merged = {**self.defaults, **group}
-        checks.check_group_params(group["params"], self._store.device)
-        self._check_group(merged)
-        # Params may need different state arrays (an 8-bit layout keeps small params in 32
-        # bit): one run of pages per distinct layout; a layout without arrays gets no pages.
-        layouts = [tuple(self._param_specs(merged, p)) for p in group["params"]]
-        n_before = len(self.param_groups)
-        super().add_param_group(group)
-        if len(self.param_groups) == n_before:  # pragma: no cover - torch raised instead
-            return
-        g = len(self.param_groups) - 1
-        pg = self.param_groups[g]
-        pages: list[Page] = []
-        for layout in dict.fromkeys(layouts):
-            if not layout:
-                continue
-            numels = [local_tensor(p).numel() if k == layout else 0
-                      for p, k in zip(pg["params"], layouts)]  # fmt: skip
-            pages += build_pages(
-                g, numels, [p.dtype for p in pg["params"]], list(layout), self.unit,
-                self._page_bytes, first_index=len(self._store.pages) + len(pages),
-            )  # fmt: skip
-        self._group_pages.append(pages)
-        self._store.add_pages(pages)
+    def _new_param_state(self, param: torch.Tensor, items: dict[str, Any]) -> ParamState:
+        """``optimizer.state[param]`` holding the plain entries ``items`` (``step``, ...)."""
+        return ParamState(self._access, param, items)
+
+    def _state_replaced(self) -> None:
+        """A ``step`` tensor was replaced: cached update lists hold the old one."""
+        self._view_cache.clear()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -206,43 +248,71 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "the previous step stopped part-way; call finish_step() to complete it "
                 "(with the same gradients) before the next step"
             )
+        self._check_groups(for_step=True)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        active = self._active_params()
+        if not active:
+            return loss
+        self._follow_device("step()")
+        # The AMP scaler's attributes (what torch's fused kernels honour): skip on inf/NaN.
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(torch.as_tensor(found_inf).ne(0).any()):
+            return loss
+        if self._pressure is not None:
+            # evict if over the target, else bring pages back (the grads die after the step)
+            self._pressure.before_step(sum(p.grad.nbytes for p in active))
+        self._store.materialize()
+        self._access.flush()  # in-place edits of state copies handed out reach the pages
+        steps = [self._step_tensor(p) for p in active]
+        with hold_interrupts():  # Ctrl-C: both or neither (finish_step relies on the counts)
+            self._step_id += 1
+            self._pending_step = self._step_id
+            torch._foreach_add_(steps, 1)
+        self._grad_scale = getattr(self, "grad_scale", None)
+        self._access.busy = True
+        try:
+            self._run_sweep_or_stream()
+        finally:
+            self._grad_scale = None
+            self._access.busy = False
+        self._access.refresh()  # copies still held follow the update
+        return loss
+
+    def _active_params(self) -> list[torch.Tensor]:
         active: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise TypeError(
+                    raise RuntimeError(
                         f"{type(self).__name__} does not support sparse gradients; use "
                         "torch.optim.SparseAdam for sparse embeddings or dense gradients"
                     )
                 active.append(p)
-        if not active:
-            return loss
-        if self._pressure is not None:
-            # evict if over the target, else bring pages back (the grads die after the step)
-            self._pressure.before_step(sum(p.grad.nbytes for p in active))
-        self._store.materialize()
-        steps = []
-        for p in active:
-            if p not in self.state:
-                self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            steps.append(self.state[p]["step"])
-        self._step_id += 1
-        self._pending_step = self._step_id
-        torch._foreach_add_(steps, 1)
-        self._run_sweep_or_stream()
-        return loss
+        return active
+
+    def _step_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s step count, starting its state (at 0) on its first update."""
+        return step_tensor(self.state, self._access, p)
+
+    def _adopt_plain_states(self) -> None:
+        """``state[p]`` set to a plain dict (torch code does that) becomes a ParamState."""
+        adopt_plain_states(self.state, self._access)
 
     def finish_step(self) -> None:
         """Complete a step that stopped part-way, updating only the pages it had not updated."""
         self._check_open()
         if self._pending_step is not None:
-            self._run_sweep_or_stream()
+            self._access.busy = True
+            try:
+                self._run_sweep_or_stream()
+            finally:
+                self._access.busy = False
+            self._access.refresh()
 
     def _run_sweep_or_stream(self) -> None:
         try:
@@ -261,10 +331,11 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _run_sweep(self) -> None:
         pages = [
             page
-            for gi, group in enumerate(self.param_groups)
-            for page in self._group_pages[gi]
-            if any(group["params"][s.param].grad is not None for s in page.segments)
-        ]
+            for gi, pages in enumerate(self._group_pages)
+            for page in pages
+            if any(self.param_groups[gi]["params"][s.param].grad is not None
+                   for s in page.segments)
+        ]  # fmt: skip
         sweep(self._store, pages, self._pending_step, self._update_pages)  # type: ignore[arg-type]
         self._pending_step = None
 
@@ -272,117 +343,37 @@ class PagedOptimizer(torch.optim.Optimizer):
         # The sweep calls this once per layout (one group, param dtype and state arrays).
         first = items[0][0]
         group = self.param_groups[first.group]
+        params = group["params"]
+        staged = views.staging(params, items, self._maybe_staged, self._access.orders)
         lists = views.bucket_lists(
-            self.state, group["params"], items, self._view_limit, self._view_cache
-        )
+            self.state, params, items, self._view_limit, self._view_cache,
+            self._access.orders, staged,
+        )  # fmt: skip
         if lists is None:
             return
-        params, grads, states, steps = lists
+        flat, grads, states, steps = lists
+        scale = self._grad_scale
+        if scale is not None and not self._takes_grad_scale(group):
+            grads = [g / scale.to(g.device) for g in grads]  # unscaled copies: never in place
         if first.dtype in _LOW_PRECISION:
             # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
-            p32 = [p.float() for p in params]
+            p32 = [p.float() for p in flat]
             self._update(group, p32, [g.float() for g in grads], states, steps)
-            torch._foreach_copy_(params, p32)
+            torch._foreach_copy_(flat, p32)
         else:
-            self._update(group, params, grads, states, steps)
+            self._update(group, flat, grads, states, steps)
+        views.unstage(params, staged, self._access.orders)
 
-    # ------------------------------------------------------------------ state dicts, files
-    def state_dict(self) -> dict[str, Any]:
-        """Torch-format state dict (e.g. ``torch.optim.AdamW``'s), gathered from the pages."""
-        self._check_open()
-        return state_io.to_torch(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch-format state dict (torch's or a paged optimizer's); paging is kept."""
-        self._check_open()
-        self._view_cache.clear()  # the step tensors are replaced
-        state_io.from_torch(self, state_dict)
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the state page by page to ``path`` (atomically: temp file + rename)."""
-        self._check_open()
-        state_io.save(self, path)
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Read a file written by :meth:`save` for the same params, page by page."""
-        self._check_open()
-        self._view_cache.clear()  # the step tensors are replaced
-        state_io.load(self, path)
-
-    # ------------------------------------------------------------------ memory
-    @property
-    def pager(self) -> PageStore:
-        """The page store (residency, budgets, counters, events)."""
-        return self._store
-
-    def set_pressure(
-        self,
-        target: float | int | None = None,
-        probe: Probe | None = None,
-        *,
-        restore_margin_bytes: int | None = None,
-    ) -> OccupancyControl:
-        """Keep the device under ``target`` (see the ``target``/``probe`` arguments).
-
-        Replaces an earlier setting (its watches stay installed and keep their old target);
-        returns the :class:`~tightfit.paging.occupancy.OccupancyControl`.
-        """
-        self._check_open()
-        self._pressure = OccupancyControl(
-            self._store, probe, target, restore_margin_bytes=restore_margin_bytes
-        )
-        return self._pressure
-
-    def watch(
-        self,
-        model: torch.nn.Module,
-        *,
-        margin_bytes: int | None = None,
-        min_interval_s: float = 0.005,
-        blocks: Iterable[torch.nn.Module] | None = None,
-    ) -> PressureWatch:
-        """Hook ``model``'s blocks so pages leave the device before a spike passes the target.
-
-        Uses the optimizer's target (on CUDA, 0.9 of the device when none was set; on the CPU
-        set one first: ``target=`` or :meth:`set_pressure`). See
-        :class:`~tightfit.paging.watch.PressureWatch`; ``.remove()`` uninstalls it.
-        """
-        self._check_open()
-        if self._pressure is None:
-            self._pressure = OccupancyControl(self._store)
-        return self._pressure.watch(
-            model, margin_bytes=margin_bytes, min_interval_s=min_interval_s, blocks=blocks
-        )
-
-    def paging_events(self) -> list[PagingEvent]:
-        """Every logged residency change (evict, restore, oom, ...): time, reason, bytes, tiers."""
-        return list(self._store.events.events)
-
-    def memory_stats(self) -> dict[str, Any]:
-        """Bytes per tier, peak device bytes and cumulative paging traffic.
-
-        Returns:
-            ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
-            ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``bytes_paged_in``,
-            ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
-            ``device_budget``, ``host_budget``, ``spill_dir``, ``evict_events``,
-            ``restore_events``, ``oom_recoveries``; with a target also ``target_bytes``,
-            ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
-            ``restored_bytes``, ``over_target_reads`` (and ``watch_*`` while watching).
-        """
-        return {
-            **self._store.stats(),
-            "oom_recoveries": self._oom_recoveries,
-            **(self._pressure.stats() if self._pressure is not None else {}),
-        }
-
+    # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Free every page, stop the copy worker and delete the spill files (idempotent)."""
         if not self._closed:
             self._closed = True
+            self._access.forget()
             if self._pressure is not None:
                 self._pressure.close()
-            self._finalizer()
+            if self._finalizer is not None:
+                self._finalizer()
             self.state.clear()
 
     def _check_open(self) -> None:

@@ -1,7 +1,8 @@
 """Argument checks of the paged optimizers' constructor and ``add_param_group``.
 
 Each raises a ``ValueError``/``TypeError`` naming the bad value and the fix, before anything
-changes (no page, no spill folder, no param group). Hyperparameter checks are in
+changes (no page, no spill folder, no param group); where torch refuses the same input, with
+torch's exception type and words (then the fix). Hyperparameter checks are in
 :mod:`tightfit.optim.hyper`.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tightfit.optim.dtensor import check_param, local_tensor
+from tightfit.optim.dtensor import check_param
 from tightfit.tiers.spill import check_spill_dir
 
 
@@ -45,12 +46,47 @@ def check_paging_options(
     check_spill_dir(spill_dir)
 
 
+def intake(params: Any) -> list[Any]:
+    """``params`` as a list, refused as torch refuses it: a bare tensor (``TypeError``, torch's
+    words) or nothing at all (``ValueError``)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}; pass [tensor] or model.parameters()"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
+    return params
+
+
+def group_params(params: Any) -> tuple[list[Any], list[str] | None]:
+    """A group's params as a list, and their names when given as ``(name, param)`` pairs
+    (``named_parameters()``), as torch's ``add_param_group`` takes them."""
+    if isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the "
+            "ordering of tensors in sets will change between runs; pass a list instead"
+        )
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    named = [isinstance(p, tuple) for p in items]
+    if not any(named):
+        return items, None
+    if not all(named):
+        raise ValueError(
+            "all optimizer params should be with/without names. Some param names are "
+            "missing; pass model.named_parameters() or model.parameters(), not a mix"
+        )
+    return [p[1] for p in items], [p[0] for p in items]
+
+
 def common_device(params: list[Any]) -> torch.device:
-    """The one device of ``params`` (tensors or param-group dicts)."""
+    """The one device of ``params`` (tensors, ``(name, tensor)`` pairs or group dicts)."""
     devices = []
     for item in params:
         ps = item["params"] if isinstance(item, dict) else [item]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        ps = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in ps]
         devices += [p.device for p in ps if isinstance(p, torch.Tensor)]
     if not devices:
         raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
@@ -64,20 +100,23 @@ def common_device(params: list[Any]) -> torch.device:
 
 
 def check_group_params(params: list[Any], device: torch.device) -> None:
-    """Every param a dense, contiguous float tensor on ``device`` (FSDP2 shards allowed)."""
+    """Every param a dense floating-point (or complex) tensor on ``device`` (FSDP2 shards
+    allowed; any strides: :mod:`tightfit.optim.flat` decides their element order)."""
     for p in params:
         if not isinstance(p, torch.Tensor):
-            raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__}")
+            raise TypeError(
+                f"optimizer can only optimize Tensors, but one of the params is "
+                f"{type(p).__name__}; pass the model's parameters"
+            )
         if p.device != device:
             raise ValueError(
                 f"param on {p.device} but this optimizer pages state for "
                 f"{device}; move it or make another optimizer for it"
             )
         check_param(p)  # FSDP2/DTensor params: the pages hold this rank's local shard
-        if not p.is_floating_point():
+        if not (p.is_floating_point() or p.is_complex()):
             raise TypeError(f"param of dtype {p.dtype} cannot be optimized; use float params")
-        if not local_tensor(p).is_contiguous():
-            raise ValueError(
-                "a param is not contiguous; call .data = p.data.contiguous() before "
-                "building the optimizer (pages map flat element ranges)"
+        if p.layout != torch.strided:
+            raise TypeError(
+                f"param with layout {p.layout} cannot be paged; pass dense (strided) params"
             )

@@ -31,8 +31,15 @@ def lion_update_(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    foreach: bool = True,
 ) -> None:
-    """One Lion step on parallel lists of fp32 tensors, in place (foreach kernels)."""
+    """One Lion step on parallel lists of fp32 tensors, in place (foreach kernels; with
+    ``foreach=False`` the same operations one tensor at a time)."""
+    if not foreach:
+        for p, g, m in zip(params, grads, exp_avgs):
+            lion_update_([p], [g], [m], lr=lr, beta1=beta1, beta2=beta2,
+                         weight_decay=weight_decay)  # fmt: skip
+        return
     if weight_decay > 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
     update = torch._foreach_mul(exp_avgs, beta1)
@@ -44,6 +51,7 @@ def lion_update_(
 
 
 def _check_lion(group: dict[str, Any]) -> None:
+    hyper.check_graph_flags(group, "PagedLion", fused_kernel=False)
     hyper.check_lr(group["lr"])
     hyper.check_betas(group["betas"], "(0.9, 0.99)", keyword=False)
     hyper.check_nonnegative("weight_decay", group["weight_decay"], "0.01")
@@ -60,11 +68,21 @@ def _lion_group(
         params,
         grads,
         exp_avgs,
-        lr=float(group["lr"]),
-        beta1=float(beta1),
-        beta2=float(beta2),
+        lr=hyper.scalar(group["lr"]),
+        beta1=hyper.scalar(beta1),
+        beta2=hyper.scalar(beta2),
         weight_decay=float(group["weight_decay"]),
+        foreach=group.get("foreach") is not False,
     )
+
+
+def _flags(
+    foreach: bool | None, fused: bool | None, capturable: bool, differentiable: bool
+) -> dict[str, Any]:
+    """torch's flags as group keys: ``foreach=False`` runs the update one tensor at a time;
+    ``fused=True`` (no fused Lion kernel), ``capturable``, ``differentiable`` raise."""
+    return {"foreach": foreach, "fused": fused, "capturable": capturable,
+            "differentiable": differentiable}  # fmt: skip
 
 
 class PagedLion(PagedOptimizer):
@@ -75,6 +93,9 @@ class PagedLion(PagedOptimizer):
         lr: learning rate (>= 0); Lion wants 3-10x less than AdamW.
         betas: (β1 for the update direction, β2 for the momentum), each in [0, 1).
         weight_decay: decoupled weight decay (>= 0).
+        foreach: ``None``/``True``: torch's foreach kernels; ``False``: one tensor at a time.
+        fused, capturable, differentiable: torch's flags; ``True`` raises (there is no fused
+            Lion kernel; paged state is neither capturable nor differentiable).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
             :class:`~tightfit.optim.options.PagingOptions`.
@@ -86,9 +107,15 @@ class PagedLion(PagedOptimizer):
         lr: float | torch.Tensor = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         **paging: Unpack[PagingOptions],
     ) -> None:
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay,
+                    **_flags(foreach, fused, capturable, differentiable)}  # fmt: skip
         super().__init__(params, defaults, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -106,7 +133,8 @@ class PagedLion(PagedOptimizer):
 class PagedLion8bit(Paged8bitOptimizer):
     """Lion with blockwise 8-bit momentum (bitsandbytes' ``Lion8bit``) kept in pages.
 
-    Same arguments as :class:`PagedLion` plus ``min_8bit_size`` and ``backend`` (see
+    Same arguments (and torch flags) as :class:`PagedLion` plus ``min_8bit_size`` and
+    ``backend`` (see
     :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`), then the paging options
     (:class:`~tightfit.optim.options.PagingOptions`). About 1.02 bytes of state per param.
     """
@@ -123,9 +151,14 @@ class PagedLion8bit(Paged8bitOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         **paging: Unpack[PagingOptions],
     ) -> None:
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay,
+                    **_flags(foreach, fused, capturable, differentiable)}  # fmt: skip
         super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -133,7 +166,7 @@ class PagedLion8bit(Paged8bitOptimizer):
 
     def _kernel_args(self, group: dict[str, Any]) -> tuple[float, float, float, float]:
         beta1, beta2 = group["betas"]
-        return float(beta1), float(beta2), 0.0, float(group["weight_decay"])
+        return hyper.scalar(beta1), hyper.scalar(beta2), 0.0, float(group["weight_decay"])
 
     def _update_fp32(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors

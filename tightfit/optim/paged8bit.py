@@ -14,6 +14,13 @@ torch. 32-bit segments always take the fp32 math.
 State dicts: :meth:`state_dict` returns the codes and absmax themselves (uint8/fp32 tensors;
 a round trip is bit-exact); :meth:`torch_state_dict` returns torch's fp32 format
 (dequantized, e.g. ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes either.
+``optimizer.state[p]`` shows bitsandbytes' names: ``state1``/``state2`` (codes shaped like
+the param, or fp32), ``absmax1``/``absmax2`` and, for 8-bit params, the maps ``qmap1``/``qmap2``.
+
+torch's flags: ``foreach``/``fused`` choose torch's kernels for the fp32 math (small params,
+and the ``backend="torch"`` path); the 8-bit update is bitsandbytes' kernel either way.
+``capturable``/``differentiable`` cannot be honoured and raise. Complex and float64 params are
+refused (``TypeError``), as bitsandbytes' 8-bit optimizers have no kernel for them.
 
 FSDP2 (DTensor) params: the 8-bit-or-fp32 decision uses the param's global size (every rank and
 a single process decide alike); the pages hold the rank's local shard in 256-element blocks of
@@ -29,10 +36,11 @@ from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, options, quant8
+from tightfit.optim import checks, hyper, options, quant8, state_io
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.dtensor import is_dtensor, like_param, local_tensor
 from tightfit.optim.options import PagingOptions
+from tightfit.optim.param_state import ParamState
 from tightfit.optim.state8bit import check_and_load
 from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
@@ -71,12 +79,12 @@ class Paged8bitOptimizer(PagedOptimizer):
         **paging: Unpack[PagingOptions],
     ) -> None:
         options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
+        params = checks.intake(params)
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:
             raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
         self._check_group(defaults)  # before the backend is resolved (the base checks again)
-        params = list(params)
         self._backend = quant8.resolve_backend(backend, checks.common_device(params))
         self._min_8bit_size = min_8bit_size
         super().__init__(params, defaults, **paging)
@@ -96,6 +104,23 @@ class Paged8bitOptimizer(PagedOptimizer):
         return self._min_8bit_size
 
     # ------------------------------------------------------------------ layout
+    def _check_param(self, param: torch.Tensor) -> None:
+        if param.is_complex() or param.dtype == torch.float64:
+            raise TypeError(
+                f"{type(self).__name__} keeps 8-bit state for float32/bfloat16/float16 params "
+                f"(bitsandbytes has no kernel for {param.dtype}); use PagedAdamW / PagedLion "
+                "for it, or cast the param"
+            )
+
+    def _constant_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not quant8.is_8bit(param.numel(), self._min_8bit_size):
+            return {}
+        return {f"qmap{i}": self._maps[i - 1] for i in range(1, self._n_states() + 1)}
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {**super()._init_kwargs(), "min_8bit_size": self._min_8bit_size,
+                "backend": self._backend}  # fmt: skip
+
     def _n_states(self) -> int:
         return len(self.torch_names)
 
@@ -152,7 +177,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         n = self._n_states()
         ops = quant8.bnb_ops()
         beta1, beta2, eps, wd = self._kernel_args(group)
-        lr = float(group["lr"])
+        lr = hyper.scalar(group["lr"])
         counts = self._host_counts(steps)
         two = n == 2
         for k, (p, g) in enumerate(zip(params, grads)):
@@ -173,7 +198,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         cache = self._view_cache
         step_id, counts = cache.get("step counts", (None, {}))
         if step_id != self._step_id or any(id(s) not in counts for s in steps):
-            every = [st["step"] for st in self.state.values() if "step" in st]
+            every = [st.plain["step"] for st in self.state.values()
+                     if type(st) is ParamState and "step" in st.plain]  # fmt: skip
             counts = dict(zip(map(id, every), torch.stack(every).tolist()))
             cache["step counts"] = (self._step_id, counts)
         return [int(counts[id(s)]) for s in steps]
@@ -201,19 +227,19 @@ class Paged8bitOptimizer(PagedOptimizer):
     # ------------------------------------------------------------------ state dicts
     def _gather(self, dequantized: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per param index: its state arrays, native (codes/absmax) or dequantized fp32."""
-        index = {id(p): i for i, p in enumerate(self._all_params())}
+        index = {id(p): i for i, p in state_io.indexed_params(self).items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
         n = self._n_states()
         cpu_maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]  # pages are read to CPU
         for page in self._store.pages:
             group = self.param_groups[page.group]
-            live = [s for s in page.segments if group["params"][s.param] in self.state]
+            live = [s for s in page.segments if state_io.has_state(self, group["params"][s.param])]
             if not live:
                 continue  # torch keeps no state for a param that never had a gradient
             views = page.segment_views(self._store.read_page(page))
             for k, seg in enumerate(page.segments):
                 p = group["params"][seg.param]
-                if p not in self.state:
+                if not state_io.has_state(self, p):
                     continue
                 numel = local_tensor(p).numel()  # the pages hold this rank's shard
                 slot = out.setdefault(index[id(p)], {})
@@ -242,13 +268,11 @@ class Paged8bitOptimizer(PagedOptimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _state_dict(self, dequantized: bool) -> dict[str, Any]:
-        self._check_open()
-        sd = torch.optim.Optimizer.state_dict(self)  # param_groups + per-param "step"
-        params = self._all_params()
+    def _state_dict_as(self, dequantized: bool) -> dict[str, Any]:
+        sd = state_io.pack(self)  # param_groups + the plain entries (step, ...), no hooks
+        params = state_io.indexed_params(self)
         for i, arrays in self._gather(dequantized).items():
-            # torch's state_dict() shares each entry dict with self.state: copy, never mutate
-            entry = sd["state"][i] = dict(sd["state"][i])
+            entry = sd["state"][i]
             entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
             shape = local_tensor(params[i]).shape
             for name, t in arrays.items():
@@ -264,26 +288,30 @@ class Paged8bitOptimizer(PagedOptimizer):
         """Whether any param is a DTensor (then state dicts must be in torch's format)."""
         return any(is_dtensor(p) for p in self._all_params())
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # the hooks run in the base; this documents it
         """Native state dict: per param ``step``, ``state1``/``state2`` (uint8 codes shaped like
         the param, or fp32 below ``min_8bit_size``) and ``absmax1``/``absmax2`` (fp32, one per
         256 elements). Loading it into the same class continues bit-identically.
 
         With any DTensor (FSDP2) param it is :meth:`torch_state_dict` instead: the absmax of
         blocks of a local shard cannot follow the param's placements, so DCP could not reshard
-        native state; dequantized fp32 DTensor state it can.
+        native state; dequantized fp32 DTensor state it can. torch's state-dict hooks run.
         """
-        return self._state_dict(dequantized=self._has_dtensor())
+        return super().state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        return self._state_dict_as(dequantized=self._has_dtensor())
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The state in torch's fp32 format, dequantized (e.g. ``torch.optim.AdamW``'s
         ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes it back (quantizing). For a
         DTensor param each state tensor is a DTensor with the param's placements; ``step`` is
         a plain tensor, as in torch's optimizers."""
-        return self._state_dict(dequantized=True)
+        self._check_open()
+        self._access.flush()
+        return self._state_dict_as(dequantized=True)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load(self, state_dict: dict[str, Any]) -> None:
         """Load a native (:meth:`state_dict`) or torch-format (:meth:`torch_state_dict`, or a
         torch optimizer's) state dict; everything is checked before anything changes."""
-        self._check_open()
         check_and_load(self, state_dict)

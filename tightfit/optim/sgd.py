@@ -17,7 +17,6 @@ import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
 from tightfit.optim import hyper
-from tightfit.optim.adamw import _fused_supported
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.options import PagingOptions
 from tightfit.optim.views import Group, StateLists, Tensors
@@ -35,6 +34,14 @@ class PagedSGD(PagedOptimizer):
         weight_decay: L2 penalty added to the gradient (>= 0).
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing it.
+        foreach: ``True``: torch's foreach kernels; ``False``: its single-tensor loop;
+            ``None``: see ``fused``.
+        differentiable: must be ``False`` (paged state is not part of an autograd graph).
+        fused: ``True``: torch's fused kernel (honours the AMP scaler's ``grad_scale``);
+            ``None`` with ``foreach=None``: fused where the device has it, else foreach;
+            ``False``: foreach.
+        capturable: must be ``False`` (torch's SGD has no such flag; accepted, as by every
+            paged optimizer, so that one set of keywords works for all).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
             :class:`~tightfit.optim.options.PagingOptions`.
@@ -53,8 +60,13 @@ class PagedSGD(PagedOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        capturable: bool = False,
         **paging: Unpack[PagingOptions],
     ) -> None:
+        hyper.check_graph_flags({"capturable": capturable}, "torch.optim.SGD")
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -63,22 +75,26 @@ class PagedSGD(PagedOptimizer):
             "nesterov": nesterov,
             "maximize": maximize,
             # torch's own keys, so a state dict loads into torch.optim.SGD unchanged
-            "foreach": None,
-            "differentiable": False,
-            "fused": None,
+            "foreach": foreach,
+            "differentiable": differentiable,
+            "fused": fused,
         }
         super().__init__(params, defaults, **paging)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         momentum = group["momentum"]
+        hyper.check_graph_flags(group, "torch.optim.SGD")
         hyper.check_lr(group["lr"], "0.01")
         hyper.check_nonnegative("momentum", momentum, "0.9")
         hyper.check_nonnegative("weight_decay", group["weight_decay"], "1e-4")
         if group["nesterov"] and (float(momentum) <= 0 or float(group["dampening"]) != 0):
             raise ValueError(
-                "nesterov=True needs momentum > 0 and dampening = 0; set momentum (e.g. 0.9) "
-                "and dampening=0, or pass nesterov=False"
+                "Nesterov momentum requires a momentum and zero dampening; set momentum "
+                "(e.g. 0.9) and dampening=0, or pass nesterov=False"
             )
+
+    def _takes_grad_scale(self, group: dict[str, Any]) -> bool:
+        return True  # _sgd unscales: the stateless groups never pass through the base
 
     def _state_specs(self, group: dict[str, Any]) -> list[StateSpec]:
         return [StateSpec("momentum_buffer", torch.float32)] if group["momentum"] != 0 else []
@@ -92,16 +108,22 @@ class PagedSGD(PagedOptimizer):
     ) -> None:
         if not params:
             return
-        fused = _fused_supported(params[0].device)
+        impl = hyper.implementation(group, params[0].device)
+        scale = self._grad_scale
+        if scale is not None:
+            scale = scale.to(params[0].device)
+            if impl != "fused":  # unscaled copies: grads are never changed in place
+                grads, scale = [g / scale for g in grads], None
         _sgd_functional(
             params,
             grads,
             bufs,
-            foreach=not fused,
-            fused=fused,
+            foreach=impl == "foreach",
+            fused=impl == "fused",
+            grad_scale=scale,
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
-            lr=float(group["lr"]),
+            lr=hyper.scalar(group["lr"]),
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
@@ -133,7 +155,7 @@ class PagedSGD(PagedOptimizer):
                 ps = [p for p in group["params"] if p.grad is not None]
                 self._sgd(group, ps, [p.grad for p in ps], [None] * len(ps))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format SGD state dict (``torch.optim.SGD``'s or ours); paging is kept.
 
         torch's entries have no ``step``: a param with a momentum buffer counts as started, one
@@ -148,4 +170,4 @@ class PagedSGD(PagedOptimizer):
                     entry = {**entry, "step": torch.tensor(1.0)}
                 state[key] = entry
             state_dict = {**state_dict, "state": state}
-        super().load_state_dict(state_dict)
+        super()._load(state_dict)

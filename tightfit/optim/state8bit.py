@@ -35,6 +35,8 @@ class Paged8bitState(state_io.PagedState, Protocol):
 
 # bitsandbytes >= 0.45 nests its codes/absmax under this key (to hide them from FSDP)
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+# the native arrays and bitsandbytes' maps (constants: never loaded, never kept as entries)
+_NATIVE = ("state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2")
 
 
 def _check_groups(opt: Paged8bitState, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
@@ -44,7 +46,8 @@ def _check_groups(opt: Paged8bitState, state_dict: dict[str, Any]) -> list[dict[
     merged_groups = []
     for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
         state_io.check_group_params(gi, group, saved)
-        merged = {k: v for k, v in saved.items() if k in group and k != "params"}
+        keep = {*group, "param_names"}  # a saved group's names are kept, as torch keeps them
+        merged = {k: v for k, v in saved.items() if k in keep and k != "params"}
         merged = {**group, **merged, "params": group["params"]}
         if isinstance(merged.get("betas"), list):
             merged["betas"] = tuple(merged["betas"])
@@ -112,16 +115,19 @@ def check_and_load(opt: Paged8bitState, state_dict: dict[str, Any]) -> None:
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         id_to_param.update(zip(saved["params"], group["params"]))
     loaded: dict[int, tuple[str, dict[str, Any]]] = {}
+    others = state_io.other_keys(state_dict, id_to_param)
+    steps = {}
     for key, entry in state_dict["state"].items():
+        if key in others:
+            continue
         entry = dict(entry) if isinstance(entry, dict) else entry  # never change the caller's
-        if key not in id_to_param:
-            raise ValueError(f"state dict has state for param {key!r}, which no group lists")
         p = id_to_param[key]
-        loaded[id(p)] = (_check_entry(opt, key, p, entry), entry)
+        fmt = _check_entry(opt, key, p, entry)
+        loaded[id(p)] = (fmt, entry)
+        consumed = [*_NATIVE, *opt.torch_names, *opt._access.names(p)]
+        steps[id(p)] = (entry["step"], state_io.plain_entries(entry, consumed))
     # Everything checked: now change things.
-    state_io.replace_groups_and_steps(
-        opt, new_groups, {k: e["step"] for k, (_, e) in loaded.items()}
-    )
+    state_io.replace_groups_and_steps(opt, new_groups, steps, others)
     store = opt.pager
     n = len(opt.torch_names)
     maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
+from tightfit.optim.flat import ElementOrder, real_numel
+from tightfit.optim.param_state import ParamState, StateAccess
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.store import PageStore
 
@@ -30,7 +32,8 @@ class PagedState(Protocol):
     optimizer's (which imports this one)."""
 
     param_groups: list[dict[str, Any]]
-    state: Any  # torch's defaultdict of per-param state dicts
+    state: Any  # torch's defaultdict: per param a ParamState, other keys as torch keeps them
+    _access: StateAccess
 
     @property
     def pager(self) -> PageStore: ...
@@ -49,11 +52,46 @@ class PagedState(Protocol):
 
     def _clear_pending_step(self) -> None: ...
 
+    def _new_param_state(self, param: torch.Tensor, items: dict[str, Any]) -> ParamState: ...
 
-def _torch_packing(opt: PagedState) -> dict[str, Any]:
-    """torch's own ``state_dict()`` of ``opt`` (param_groups + per-param ``step``), without
-    the paged override: every PagedState is a ``torch.optim.Optimizer``."""
-    return torch.optim.Optimizer.state_dict(opt)  # type: ignore[arg-type]
+
+def indexed_params(opt: PagedState) -> dict[int, torch.Tensor]:
+    """Each param by its state-dict index (torch's rule: a param listed twice keeps its first)."""
+    out: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    i = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[i] = p
+            i += 1
+    return out
+
+
+def has_state(opt: PagedState, p: torch.Tensor) -> bool:
+    """Whether ``p`` has started (torch keeps no state for a param that never had a grad)."""
+    return type(opt.state.get(p)) is ParamState
+
+
+def pack(opt: PagedState) -> dict[str, Any]:
+    """torch's ``state_dict()`` layout without its hooks and without the paged arrays:
+    ``param_groups`` (params as indices, ``param_names`` kept) and the plain state entries
+    (``step`` and any key stored as is; keys that are no param pass through, as in torch)."""
+    index = {id(p): i for i, p in reversed(list(indexed_params(opt).items()))}
+    groups, start = [], 0
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [index[id(p)] for p in g["params"]]
+        groups.append(packed)
+        start += len(packed["params"])
+    state: dict[Any, Any] = {}
+    for key, value in opt.state.items():
+        if not isinstance(key, torch.Tensor):
+            state[key] = value
+        elif id(key) in index:
+            state[index[id(key)]] = dict(value.plain if type(value) is ParamState else value)
+    return {"state": state, "param_groups": groups}
 
 
 def _params(opt: PagedState) -> list[torch.Tensor]:
@@ -61,40 +99,46 @@ def _params(opt: PagedState) -> list[torch.Tensor]:
 
 
 def to_torch(opt: PagedState) -> dict[str, Any]:
-    """Gather the pages into a torch-format state dict (CPU tensors, fp32 state).
+    """Gather the pages into a torch-format state dict (CPU tensors, fp32 state; float64 for
+    float64 params; complex for complex params, shaped and strided like the param).
 
     For a DTensor (FSDP2) param the pages hold its local shard's state; each state tensor is
     returned as a DTensor with the param's placements, as torch's optimizers do, so DCP's
     ``get_optimizer_state_dict`` and ``dcp.save`` see the sharded layout.
     """
-    sd = _torch_packing(opt)
-    index = {id(p): i for i, p in enumerate(_params(opt))}
+    sd = pack(opt)
+    params = indexed_params(opt)
+    index = {id(p): i for i, p in params.items()}
     full: dict[int, dict[str, torch.Tensor]] = {}
     for page in opt.pager.pages:
         group = opt.param_groups[page.group]
         data = None
         for k, seg in enumerate(page.segments):
             p = group["params"][seg.param]
-            if p not in opt.state:
+            if not has_state(opt, p):
                 continue  # torch keeps no state for a param that never had a gradient
             if data is None:
                 data = page.segment_views(opt.pager.read_page(page))
             values = opt._export_segment(group, {n: vs[k] for n, vs in data.items()})
             slot = full.setdefault(index[id(p)], {})
             for name, v in values.items():
-                dst = slot.setdefault(
-                    name, torch.empty(local_tensor(p).numel(), dtype=torch.float32)
-                )
+                dst = slot.setdefault(name, torch.empty(real_numel(p), dtype=v.dtype))
                 dst[seg.start : seg.start + seg.length] = v[: seg.length]
-    for i, p in enumerate(_params(opt)):
-        if i not in full:
-            continue
-        # torch's packing shares our live per-param dicts: build new ones
-        entry = {"step": sd["state"][i]["step"].detach().to("cpu", torch.float32, copy=True)}
-        for name, flat in full[i].items():
-            entry[name] = like_param(flat.view(local_tensor(p).shape), p)
-        sd["state"][i] = entry
+    for i, arrays in full.items():
+        p = params[i]
+        order = opt._access.order(p)
+        # pack() made new entry dicts; the step is copied, never shared with the live state
+        entry = sd["state"][i]
+        entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+        for name, flat in arrays.items():
+            entry[name] = like_param(order.shaped(flat, p), p)
     return sd
+
+
+def plain_entries(entry: dict[str, Any], consumed: Any) -> dict[str, Any]:
+    """The entries of a loaded per-param state that are kept as they are (torch keeps every
+    key): all but the paged arrays ``consumed`` and ``step``."""
+    return {k: v for k, v in entry.items() if k != "step" and k not in consumed}
 
 
 def check_saved_groups(
@@ -149,9 +193,11 @@ def from_torch(opt: PagedState, state_dict: dict[str, Any]) -> None:
         new_groups.append(merged)
     owner = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     loaded: dict[int, dict[str, Any]] = {}
+    plains: dict[int, dict[str, Any]] = {}
+    others = other_keys(state_dict, id_to_param)
     for key, entry in state_dict["state"].items():
-        if key not in id_to_param:
-            raise ValueError(f"state dict has state for param {key!r}, which no group lists")
+        if key in others:
+            continue
         p = id_to_param[key]
         names = [s.name for s in opt._state_specs(new_groups[owner[id(p)]])]
         missing = [n for n in ["step", *names] if n not in entry]
@@ -167,56 +213,87 @@ def from_torch(opt: PagedState, state_dict: dict[str, Any]) -> None:
         lp = local_tensor(p)
         for n in names:
             t = entry[n]
-            if not isinstance(t, torch.Tensor) or t.numel() != lp.numel():
+            ok = isinstance(t, torch.Tensor) and t.numel() == lp.numel()
+            if not ok or local_tensor(t).is_complex() != lp.is_complex():
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"state {n!r} of param {key} has shape {shape} but the param has shape "
-                    f"{tuple(lp.shape)}; the state dict is for another parameter layout"
+                    f"{tuple(lp.shape)} ({lp.dtype}); the state dict is for another parameter "
+                    "layout"
                 )
         loaded[id(p)] = entry
+        plains[id(p)] = plain_entries(entry, [*names, *opt._access.names(p)])
     # Everything checked: now change things.
-    replace_groups_and_steps(opt, new_groups, {k: e["step"] for k, e in loaded.items()})
+    replace_groups_and_steps(
+        opt, new_groups, {k: (e["step"], plains[k]) for k, e in loaded.items()}, others
+    )
     for page in opt.pager.pages:
         group = opt.param_groups[page.group]
         buf = torch.zeros(page.nbytes, dtype=torch.uint8)
         views = page.segment_views(buf)
         for k, seg in enumerate(page.segments):
-            entry = loaded.get(id(group["params"][seg.param]))
+            p = group["params"][seg.param]
+            entry = loaded.get(id(p))
             if entry is None:
                 continue
             end = seg.start + seg.length
+            order: ElementOrder = opt._access.order(p)
             values = {
-                n: entry[n].detach().reshape(-1)[seg.start : end].to("cpu", torch.float32)
-                for n in views
+                n: order.flat(entry[n].detach())[seg.start : end].to("cpu", vs[k].dtype)
+                for n, vs in views.items()
             }
             opt._import_segment(group, values, {n: vs[k] for n, vs in views.items()})
         opt.pager.write_page(page, buf)
     opt._clear_pending_step()
 
 
+def other_keys(state_dict: dict[str, Any], id_to_param: dict[Any, torch.Tensor]) -> dict[Any, Any]:
+    """The state entries not keyed by a param, kept as they are (torch copies them as is);
+    an int key that no group lists is a state dict for other params: ``ValueError``."""
+    others = {}
+    for key, entry in state_dict["state"].items():
+        if key in id_to_param:
+            continue
+        if isinstance(key, int):
+            raise ValueError(
+                f"state dict has state for param {key!r}, which no group lists; load a state "
+                "dict saved for the same params"
+            )
+        others[key] = entry
+    return others
+
+
 def replace_groups_and_steps(
-    opt: PagedState, groups: list[dict[str, Any]], steps: dict[int, Any]
+    opt: PagedState,
+    groups: list[dict[str, Any]],
+    steps: dict[int, tuple[Any, dict[str, Any]]],
+    others: dict[Any, Any] | None = None,
 ) -> None:
-    """Allocate the pages, then install checked ``groups`` and each param's step count
-    (``steps`` keyed by ``id(param)``; a param without one gets no state, as in torch)."""
+    """Allocate the pages, then install checked ``groups``, each param's step count and
+    plain entries (``steps`` keyed by ``id(param)``: ``(step, entries)``; a param without
+    one gets no state, as in torch) and the state kept under other keys (``others``)."""
     opt.pager.materialize()
     for gi, merged in enumerate(groups):
         opt.param_groups[gi].clear()
         opt.param_groups[gi].update(merged)
     opt.state.clear()
+    for key, value in (others or {}).items():
+        opt.state[key] = value
     for p in _params(opt):
-        step = steps.get(id(p))
-        if step is not None:
+        item = steps.get(id(p))
+        if item is not None:
+            step, entries = item
             step = float(step.item() if isinstance(step, torch.Tensor) else step)
-            opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+            step_t = torch.tensor(step, dtype=torch.float32, device=p.device)
+            opt.state[p] = opt._new_param_state(p, {"step": step_t, **entries})
 
 
 def _header(opt: PagedState) -> dict[str, Any]:
     def plain(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return v.item()
-        if isinstance(v, tuple):
-            return list(v)
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
         return v
 
     return {
@@ -226,7 +303,7 @@ def _header(opt: PagedState) -> dict[str, Any]:
         ],
         "params": [[list(local_tensor(p).shape) for p in g["params"]] for g in opt.param_groups],
         "steps": [
-            [opt.state[p]["step"].item() if p in opt.state else None for p in g["params"]]
+            [opt.state[p]["step"].item() if has_state(opt, p) else None for p in g["params"]]
             for g in opt.param_groups
         ],
         "pages": [[p.group, str(p.dtype), p.elements, p.nbytes] for p in opt.pager.pages],
@@ -285,5 +362,6 @@ def load(opt: PagedState, path: str | os.PathLike) -> None:
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
         for p, step in zip(group["params"], saved["steps"][gi]):
             if step is not None:
-                opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device)
+                step_t = torch.tensor(step, dtype=torch.float32, device=p.device)
+                opt.state[p] = opt._new_param_state(p, {"step": step_t})
     opt._clear_pending_step()

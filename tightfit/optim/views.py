@@ -12,7 +12,9 @@ array objects (the store makes new ones whenever a page moves; :meth:`Page.owns`
 from a window slot's) and which params have a gradient. The store empties it whenever pages
 move or it closes (:meth:`PageStore.on_move`: it never keeps evicted memory alive), the
 optimizer when its state is replaced. A param whose storage changed (``p.data = ...``) is
-caught by comparing data pointers.
+caught by comparing data pointers. Params whose memory is not in page order (see
+:mod:`tightfit.optim.flat`) are updated through staging copies made for the one update, so a
+bucket holding one is never cached.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from tightfit.optim.dtensor import is_dtensor, local_flat
+from tightfit.optim.flat import PLAIN, ElementOrder
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import Page
 
@@ -34,11 +37,13 @@ Lists = tuple[Tensors, Tensors, StateLists, Tensors]  # what an update gets: see
 
 
 def bucket_lists(
-    state: dict[torch.Tensor, dict[str, Any]],
+    state: dict[torch.Tensor, Any],
     params: list[torch.Tensor],
     bucket: list[tuple[Page, dict[str, torch.Tensor]]],
     limit: int | None,
     cache: dict[Any, Any],
+    orders: dict[int, ElementOrder] | None = None,
+    staged: dict[int, torch.Tensor] | None = None,
 ) -> Lists | None:
     """``(params, grads, states, steps)`` for ``bucket``, or ``None`` when no param of it has
     a gradient.
@@ -49,10 +54,16 @@ def bucket_lists(
         bucket: ``(page, arrays)`` pairs of one group, param dtype and layout.
         limit: longest joined run in elements (``None``: no limit).
         cache: the optimizer's view cache.
+        orders: each param's element order by ``id`` (:mod:`tightfit.optim.flat`; missing:
+            row-major, real).
+        staged: flat staging copies (page order) by ``id`` of the params whose memory is not
+            in page order; their views are taken from these (and never cached).
     """
+    orders = orders or {}
+    staged = staged or {}
     resident = all(page.owns(arrays) for page, arrays in bucket)
     key = None
-    if resident:
+    if resident and not staged:
         key = (
             tuple(id(arrays) for _, arrays in bucket),
             tuple(params[s.param].grad is not None for page, _ in bucket for s in page.segments),
@@ -60,23 +71,67 @@ def bucket_lists(
         hit = cache.get(key)
         if hit is not None:
             meta, views, states, steps, ptrs = hit
-            if all(p.data_ptr() == ptr for (p, _, _), ptr in zip(meta, ptrs)):
-                grads = [local_flat(p.grad, a, b, in_place=False) for p, a, b in meta]
-                return views, grads, states, steps
+            if all(p.data_ptr() == ptr for (p, _, _, _), ptr in zip(meta, ptrs)):
+                return views, [_grad(p, a, b, o) for p, a, b, o in meta], states, steps
     runs = coalesce(params, bucket, limit)
     if not runs:
         return None
-    views, grads, steps = [], [], []
+    views, grads, steps, meta = [], [], [], []
     states: dict[str, list[torch.Tensor]] = {name: [] for name in runs[0][3]}
     for p, start, end, arrays in runs:
-        views.append(local_flat(p, start, end, in_place=True))
-        grads.append(local_flat(p.grad, start, end, in_place=False))
+        order = orders.get(id(p), PLAIN)
+        meta.append((p, start, end, order))
+        if order.plain and id(p) not in staged:
+            views.append(local_flat(p, start, end, in_place=True))
+        else:
+            flat = staged.get(id(p))
+            flat = order.view(p) if flat is None else flat
+            views.append(flat[start:end])
+        grads.append(_grad(p, start, end, order))
         steps.append(state[p]["step"])
         for name, view in arrays.items():
             states[name].append(view)
     if key is not None and not any(is_dtensor(p) for p, *_ in runs):  # DTensors: not cached
         if len(cache) >= _MAX_ENTRIES:
             cache.clear()
-        meta = [(p, a, b) for p, a, b, _ in runs]
-        cache[key] = (meta, views, states, steps, [p.data_ptr() for p, _, _ in meta])
+        cache[key] = (meta, views, states, steps, [p.data_ptr() for p, *_ in meta])
     return views, grads, states, steps
+
+
+def _grad(p: torch.Tensor, start: int, end: int, order: ElementOrder) -> torch.Tensor:
+    """Elements ``start:end`` of ``p``'s grad in page order (a view where possible)."""
+    if order.plain:
+        return local_flat(p.grad, start, end, in_place=False)
+    return order.flat(p.grad)[start:end]
+
+
+def staging(
+    params: list[torch.Tensor],
+    bucket: list[tuple[Page, dict[str, torch.Tensor]]],
+    maybe: set[int],
+    orders: dict[int, ElementOrder],
+) -> dict[int, torch.Tensor]:
+    """Contiguous copies (page order) of the bucket's params with a gradient whose memory is
+    not in page order, by ``id``; ``maybe`` holds the ids of the params that can be such."""
+    out: dict[int, torch.Tensor] = {}
+    if not maybe:
+        return out
+    for page, _ in bucket:
+        for seg in page.segments:
+            p = params[seg.param]
+            if id(p) in maybe and p.grad is not None and id(p) not in out:
+                order = orders.get(id(p), PLAIN)
+                if order.view(p) is None:
+                    out[id(p)] = order.flat(p).clone()
+    return out
+
+
+def unstage(
+    params: list[torch.Tensor], staged: dict[int, torch.Tensor], orders: dict[int, ElementOrder]
+) -> None:
+    """Write the updated staging copies back into their params."""
+    for p in params:
+        flat = staged.get(id(p))
+        if flat is not None:
+            ordered = orders.get(id(p), PLAIN).ordered(p)
+            ordered.copy_(flat.view(ordered.shape))

@@ -186,3 +186,26 @@ def test_gpt2_conv1d_layers_are_quantized_and_adapted() -> None:
             assert (deq - w.t()).norm() / w.norm() < 0.15
     x = torch.randint(0, 128, (2, 32))
     assert torch.isfinite(pm(input_ids=x, labels=x).loss)
+
+
+def test_gemma2_prepares_with_defaults_and_its_loss_is_soft_capped() -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tightfit.loss import is_chunked_loss_enabled
+
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        final_logit_softcapping=0.5, attn_implementation="eager"))
+    x = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": x, "labels": x}
+    pm = tightfit.prepare(model, example=batch)  # every default: chunked loss included
+    assert is_chunked_loss_enabled(pm) and pm.tightfit_info.loss_chunks == "auto"
+    loss = pm(**batch).loss
+    # the soft-capped logits' loss, as HF's own forward computes it
+    with torch.no_grad(), pm.disable_adapter():
+        ref = pm.get_base_model().__class__.forward(pm.get_base_model(), **batch).loss
+        chunked = pm(**batch).loss
+    assert abs(chunked.item() - ref.item()) <= 1e-6 * ref.item()
+    loss.backward()
+    assert all(p.grad is not None for p in pm.parameters() if p.requires_grad)

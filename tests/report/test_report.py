@@ -187,3 +187,49 @@ def test_double_quant_is_about_0127_bits_per_param() -> None:
     assert single.double_bytes == c.double_bytes
     layers = [m for m in pm.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert [math.prod(m.weight.quant_state.shape) for m in layers] == sizes
+
+
+def test_moe_experts_count_under_base_weights_and_their_adapters_under_lora() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    E, hidden, inter, r = 4, 64, 128, 4
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+        num_experts_per_tok=2, tie_word_embeddings=False))
+    base_numel = sum(p.numel() for p in model.parameters())
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n != "lm_head"}
+    routers = sum(layer.mlp.gate.weight.nbytes for layer in model.model.layers)
+    others = sum(p.nbytes for n, p in model.named_parameters()
+                 if n.removesuffix(".weight") not in linears and ".experts." not in n)
+    # each expert's projection is quantized alone: [2 * inter, hidden] and [hidden, inter]
+    experts = [2 * inter * hidden, hidden * inter] * E * len(model.model.layers)
+    sizes = [m.in_features * m.out_features for m in linears.values()] + experts
+    x = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": x, "labels": x}
+    pm = tightfit.prepare(model, checkpoint=None, loss_chunks=None, lora={"r": r, "alpha": 8},
+                          device="cpu")
+    report = measure_report(pm, batch)
+
+    w = report.piece("base weights")
+    assert w.detail["expert_params"] == sum(experts) and w.detail["params"] == sum(sizes)
+    assert w.with_bytes == sum(math.ceil(n / 2) for n in sizes)
+    assert w.without_bytes == 2 * sum(sizes)
+    blocks = [math.ceil(n / NF4_BLOCK) for n in sizes]
+    c = report.piece("quantization constants")
+    assert c.without_bytes == 4 * sum(blocks)
+    assert c.with_bytes == sum(b + 4 * math.ceil(b / DQ_BLOCK) + 4 for b in blocks)
+    # one fp32 table a linear layer, one a stack of experts (shared by its experts)
+    assert c.detail["lookup_table_bytes"] == (len(linears) + 2 * 2) * 256 * 4
+
+    # LoRA: r x (in + out) a linear; r x (in + out) a projection of each expert (peft's
+    # ParamWrapper layout: lora_A [r * E, in], lora_B [out, r * E])
+    lora_numel = sum(r * (m.in_features + m.out_features) for m in linears.values())
+    lora_numel += 2 * E * r * ((hidden + 2 * inter) + (inter + hidden))
+    t = report.piece("trainable params + grads")
+    assert t.detail["trainable_params"] == lora_numel == pm.get_nb_trainable_parameters()[0]
+    assert t.detail["param_bytes"] == t.detail["grad_bytes"] == 4 * lora_numel
+    assert t.without_bytes == 2 * 2 * base_numel
+    # what stays as it was: embeddings, head, norms and the routers (fp32 on the CPU)
+    assert report.meta["frozen_other_bytes"] == others and routers > 0

@@ -22,6 +22,8 @@ divided by the number of non-ignored labels (or by ``num_items_in_batch``), labe
 with ``ignore_index`` and shifted left by one. ``"recompute"`` calls ``F.cross_entropy``
 itself; ``"precompute"`` computes the same math in place in one fp32 buffer per chunk
 (log-sum-exp for the loss, softmax minus one-hot for the gradient; see :func:`_xent_`).
+A :class:`~tightfit.loss.transform.LogitTransform` (Gemma 2's soft-cap, Cohere's and
+Granite's scales) is applied to each chunk's fp32 logits before the loss.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
+
+from tightfit.loss.transform import LogitTransform
 
 Strategy = Literal["precompute", "recompute"]
 
@@ -48,6 +52,7 @@ def chunked_cross_entropy(
     shift: bool = True,
     num_items_in_batch: Tensor | int | None = None,
     strategy: Strategy = "precompute",
+    transform: LogitTransform | None = None,
 ) -> Tensor:
     """Mean token cross-entropy of ``head(hidden)`` against ``labels``, one chunk at a time.
 
@@ -70,6 +75,9 @@ def chunked_cross_entropy(
             this number (gradient accumulation); otherwise the mean over non-ignored tokens.
         strategy: ``"precompute"`` (gradients computed per chunk in forward) or
             ``"recompute"`` (checkpointed chunks, logits recomputed in backward).
+        transform: Applied to the logits before the loss (e.g. Gemma 2's soft-cap), in fp32
+            per chunk; the model applies it in its own dtype, so below fp32 the chunked
+            loss rounds less than the model does.
 
     Returns:
         A 0-dim fp32 loss. When every label is ignored and ``num_items_in_batch`` is
@@ -81,6 +89,7 @@ def chunked_cross_entropy(
         ValueError: shapes disagree, or ``chunk_tokens < 1``, or an unknown ``strategy``.
     """
     _validate(hidden, head, labels, chunk_tokens, strategy)
+    tf = transform if transform is not None and not transform.identity else None
     flat_labels = _aligned_labels(labels, ignore_index, shift).to(hidden.device)
     # HF divides the summed loss by the count of valid labels (mean) or by
     # num_items_in_batch; a 0-dim fp32 tensor either way (no host sync, 0/0 stays NaN).
@@ -92,11 +101,11 @@ def chunked_cross_entropy(
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or bool(params))
     if not needs_grad:
         with torch.no_grad():
-            return _forward_only(hidden, head, flat_labels, denom, chunk_tokens, ignore_index)
+            return _forward_only(hidden, head, flat_labels, denom, chunk_tokens, ignore_index, tf)
     if strategy == "recompute":
-        return _recompute(hidden, head, flat_labels, denom, chunk_tokens, ignore_index)
+        return _recompute(hidden, head, flat_labels, denom, chunk_tokens, ignore_index, tf)
     return _PrecomputedChunkLoss.apply(
-        hidden, flat_labels, denom, head, chunk_tokens, ignore_index, *params
+        hidden, flat_labels, denom, head, chunk_tokens, ignore_index, tf, *params
     )
 
 
@@ -133,10 +142,13 @@ def _aligned_labels(labels: Tensor, ignore_index: int, shift: bool) -> Tensor:
     return labels.reshape(-1)
 
 
-def _chunk_sum_loss(logits: Tensor, labels: Tensor, denom: Tensor, ignore_index: int) -> Tensor:
+def _chunk_sum_loss(
+    logits: Tensor, labels: Tensor, denom: Tensor, ignore_index: int, tf: LogitTransform | None
+) -> Tensor:
     # HF: logits.float() then cross_entropy; "sum" over a chunk then / denom equals HF's mean
     # (sum / number of valid tokens) once the chunks are added up.
-    loss = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+    x = logits.float() if tf is None else tf(logits.float())
+    loss = F.cross_entropy(x, labels, ignore_index=ignore_index, reduction="sum")
     return loss / denom
 
 
@@ -145,23 +157,27 @@ def _chunks(n: int, chunk_tokens: int) -> range:
 
 
 def _forward_only(
-    hidden: Tensor, head: nn.Module, labels: Tensor, denom: Tensor, chunk: int, ii: int
+    hidden: Tensor, head: nn.Module, labels: Tensor, denom: Tensor, chunk: int, ii: int,
+    tf: LogitTransform | None,
 ) -> Tensor:
     h = hidden.reshape(-1, hidden.shape[-1])
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for s in _chunks(h.shape[0], chunk):
         x = _fp32_logits(head(h[s : s + chunk]))
+        if tf is not None:
+            tf.apply_(x)
         total += _xent_(x, labels[s : s + chunk], denom, ii, want_grad=False)
     return total
 
 
 def _recompute(
-    hidden: Tensor, head: nn.Module, labels: Tensor, denom: Tensor, chunk: int, ii: int
+    hidden: Tensor, head: nn.Module, labels: Tensor, denom: Tensor, chunk: int, ii: int,
+    tf: LogitTransform | None,
 ) -> Tensor:
     h = hidden.reshape(-1, hidden.shape[-1])
 
     def chunk_loss(h_c: Tensor, y_c: Tensor) -> Tensor:
-        return _chunk_sum_loss(head(h_c), y_c, denom, ii)
+        return _chunk_sum_loss(head(h_c), y_c, denom, ii, tf)
 
     # torch.split (not slicing) so backward gathers the chunk grads with one cat instead of a
     # full-size zero tensor per chunk.
@@ -209,6 +225,17 @@ def _xent_(x: Tensor, y: Tensor, denom: Tensor, ii: int, want_grad: bool) -> Ten
     return loss
 
 
+def _transformed_xent_(
+    x: Tensor, y: Tensor, denom: Tensor, ii: int, tf: LogitTransform | None
+) -> Tensor:
+    """:func:`_xent_` of ``tf(x)``, leaving in ``x`` the gradient w.r.t. the raw logits."""
+    saved = tf.apply_(x) if tf is not None else None
+    loss = _xent_(x, y, denom, ii, want_grad=True)
+    if tf is not None:
+        tf.grad_(x, saved)
+    return loss
+
+
 class _PrecomputedChunkLoss(torch.autograd.Function):
     """Loss and gradients per chunk in forward; backward scales the stored gradients."""
 
@@ -221,6 +248,7 @@ class _PrecomputedChunkLoss(torch.autograd.Function):
         head: nn.Module,
         chunk: int,
         ignore_index: int,
+        tf: LogitTransform | None,
         *params: Tensor,
     ) -> Tensor:
         h = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -233,7 +261,7 @@ class _PrecomputedChunkLoss(torch.autograd.Function):
         autocast = torch.is_autocast_enabled(h.device.type)
         step = _linear_chunk if _is_plain_linear(head) and not autocast else _module_chunk
         for s in _chunks(h.shape[0], chunk):
-            total += step(head, h, labels, s, chunk, denom, ignore_index, grad_h, params, acc)
+            total += step(head, h, labels, s, chunk, denom, ignore_index, tf, grad_h, params, acc)
         grads = [
             a if a is not None else torch.zeros_like(p, dtype=torch.float32)
             for a, p in zip(acc, params)
@@ -252,7 +280,7 @@ class _PrecomputedChunkLoss(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.mul_(grad_out.to(grad_h.dtype)).view(ctx.hidden_shape)
         out = [g.mul_(grad_out).to(dt) for g, dt in zip(grads, ctx.param_dtypes)]
-        return (grad_h, None, None, None, None, None, *out)
+        return (grad_h, None, None, None, None, None, None, *out)
 
 
 def _accumulate(acc: list[Tensor | None], i: int, g: Tensor) -> None:
@@ -276,6 +304,7 @@ def _linear_chunk(
     chunk: int,
     denom: Tensor,
     ii: int,
+    tf: LogitTransform | None,
     grad_h: Tensor | None,
     params: tuple[Tensor, ...],
     acc: list[Tensor | None],
@@ -285,7 +314,7 @@ def _linear_chunk(
     h_c, y_c = h[start : start + chunk], labels[start : start + chunk]
     w, b = head.weight, head.bias
     x = _fp32_logits(F.linear(h_c, w, b))  # a bf16 original is freed here, only x remains
-    loss_c = _xent_(x, y_c, denom, ii, want_grad=True)
+    loss_c = _transformed_xent_(x, y_c, denom, ii, tf)
     g = x if x.dtype == w.dtype else x.to(w.dtype)
     del x
     if grad_h is not None:
@@ -309,6 +338,7 @@ def _module_chunk(
     chunk: int,
     denom: Tensor,
     ii: int,
+    tf: LogitTransform | None,
     grad_h: Tensor | None,
     params: tuple[Tensor, ...],
     acc: list[Tensor | None],
@@ -320,7 +350,7 @@ def _module_chunk(
         x_in = h_c.detach().requires_grad_(grad_h is not None)
         logits = head(x_in)
     x = _fp32_logits(logits.detach())
-    loss_c = _xent_(x, y_c, denom, ii, want_grad=True)
+    loss_c = _transformed_xent_(x, y_c, denom, ii, tf)
     g = x if x.dtype == logits.dtype else x.to(logits.dtype)
     del x
     inputs = ([x_in] if grad_h is not None else []) + list(params)

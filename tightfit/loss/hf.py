@@ -8,6 +8,10 @@ backbone (``model.model`` for Llama: ``base_model_prefix``) for the hidden state
 is never built). Without ``labels`` — generation, evaluation that wants logits — the
 original forward runs unchanged. :func:`disable_chunked_loss` removes the instance attribute
 (or puts back the one that was there), so the model is exactly as before.
+
+Logit transforms the architecture applies before its loss (Gemma 2's
+``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``) are read
+from the config and applied per chunk (:mod:`tightfit.loss.transform`).
 """
 
 from __future__ import annotations
@@ -21,22 +25,16 @@ import torch
 from torch import nn
 
 from tightfit.loss.chunked import chunked_cross_entropy
+from tightfit.loss.router import RouterLoss, router_loss_of
 from tightfit.loss.sizing import (
     auto_chunk_tokens,
     head_compute_dtype,
     head_kind_of,
     predict_head_loss_bytes,
 )
+from tightfit.loss.transform import LogitTransform
 
 _ATTR = "_tightfit_chunked_loss"
-
-# Config fields that post-process the logits before the loss in some architectures (Gemma 2/3
-# soft-capping, Cohere/Granite scaling); the chunked loss does not apply them, so refuse.
-_LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": (None,),
-    "logit_scale": (None, 1, 1.0),
-    "logits_scaling": (None, 1, 1.0),
-}
 
 
 @dataclass
@@ -47,6 +45,8 @@ class _Patch:
     saved_forward: Any
     chunk_tokens: int | Literal["auto"]
     budget: int | None
+    transform: LogitTransform
+    router: RouterLoss | None  # a MoE model's load-balancing loss, added like its forward
 
 
 def enable_chunked_loss(
@@ -67,7 +67,8 @@ def enable_chunked_loss(
     Raises:
         TypeError: ``model`` is not an HF causal LM (nor a PeftModel around one).
         ValueError: Bad ``chunk_tokens``/``budget``, a prompt-learning peft model, or an
-            architecture that transforms its logits before the loss (e.g. soft-capping).
+            architecture whose logit transform is not known to be computable per chunk (see
+            :func:`logit_transform_of`).
 
     Calling it again replaces the settings. With labels, ``outputs.logits`` is ``None``.
     """
@@ -83,8 +84,10 @@ def enable_chunked_loss(
                 "budget only applies to chunk_tokens='auto'; pass one or the other, not both."
             )
     lm = _causal_lm(model)
-    _refuse_logit_transforms(lm)
+    transform = logit_transform_of(lm)  # raises on a bad value, before any change
     _backbone(lm)  # raises before any change if there is none
+    signature = inspect.signature(type(lm).forward)
+    router = router_loss_of(lm, signature)
     disable_chunked_loss(model)
 
     patch = _Patch(
@@ -92,9 +95,10 @@ def enable_chunked_loss(
         saved_forward=lm.__dict__.get("forward"),
         chunk_tokens=chunk_tokens,
         budget=budget,
+        transform=transform,
+        router=router,
     )
     original = lm.forward
-    signature = inspect.signature(type(lm).forward)
 
     @functools.wraps(type(lm).forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -147,8 +151,10 @@ def predict_model_head_loss_bytes(
     kind = head_kind_of(head)
     dtype = dtype or head_compute_dtype(head)
     vocab = getattr(head, "out_features", None) or lm.config.vocab_size
+    softcap = logit_transform_of(lm).softcap is not None
     if chunk_tokens == "auto":
-        chunk_tokens = auto_chunk_tokens(vocab, seq_len, batch, dtype, budget, head_kind=kind)
+        chunk_tokens = auto_chunk_tokens(vocab, seq_len, batch, dtype, budget, head_kind=kind,
+                                         softcap=softcap)
     return predict_head_loss_bytes(
         vocab,
         seq_len,
@@ -158,6 +164,7 @@ def predict_model_head_loss_bytes(
         chunk_tokens=chunk_tokens,
         trainable_head_numel=sum(p.numel() for p in head.parameters() if p.requires_grad),
         head_kind=kind,
+        softcap=softcap,
     )
 
 
@@ -197,14 +204,50 @@ def _backbone(lm: nn.Module) -> nn.Module:
     return backbone
 
 
-def _refuse_logit_transforms(lm: nn.Module) -> None:
-    for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(lm.config, name, None)
-        if value not in neutral:
+# How each family transforms its logits before the loss, read from its modeling code: the
+# same config field means different things elsewhere (HyperCLOVA X multiplies by
+# logits_scaling, MPT ignores logit_scale), so it is by model_type, never by field name.
+_SOFTCAP = ("gemma2", "gemma3_text", "vaultgemma", "nanochat")  # cap * tanh(z / cap)
+_TIMES_LOGIT_SCALE = ("cohere", "cohere2", "cohere2_moe")  # z * logit_scale
+_OVER_LOGITS_SCALING = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                        "granite_swa")  # z / logits_scaling
+_FIELDS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1, 1.0),
+           "logits_scaling": (None, 1, 1.0)}
+
+
+def logit_transform_of(model: nn.Module) -> LogitTransform:
+    """The transform a causal LM applies to its logits before the loss, from its config.
+
+    Gemma 2/3, VaultGemma and nanochat soft-cap (``final_logit_softcapping``), Cohere scales
+    by ``logit_scale``, Granite divides by ``logits_scaling``.
+
+    Raises:
+        ValueError: Another family has one of these fields set: its head is not known to
+            be computable per chunk; leave chunked loss off for it.
+    """
+    lm = _causal_lm(model)
+    cfg = lm.config
+    kind = getattr(cfg, "model_type", None)
+    known = {
+        "final_logit_softcapping": _SOFTCAP,
+        "logit_scale": _TIMES_LOGIT_SCALE,
+        "logits_scaling": _OVER_LOGITS_SCALING,
+    }
+    for name, neutral in _FIELDS.items():
+        value = getattr(cfg, name, None)
+        if value not in neutral and kind not in known[name]:
             raise ValueError(
-                f"{type(lm).__name__} applies config.{name}={value!r} to its logits before the "
-                "loss, which the chunked loss does not; leave chunked loss off for this model."
+                f"{type(lm).__name__} ({kind!r}) has config.{name}={value!r}, a transform of "
+                "its logits that the chunked loss applies only for "
+                f"{', '.join(known[name])}; leave chunked loss off for this model."
             )
+    scale, cap = 1.0, getattr(cfg, "final_logit_softcapping", None)
+    if kind in _TIMES_LOGIT_SCALE:
+        scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if kind in _OVER_LOGITS_SCALING:
+        scale = 1.0 / float(getattr(cfg, "logits_scaling", None) or 1.0)
+    # LogitTransform refuses a cap or scale that is not a positive number
+    return LogitTransform(scale=scale, softcap=None if cap is None else float(cap))
 
 
 def _chunked_forward(
@@ -229,6 +272,9 @@ def _chunked_forward(
     if return_dict is None:
         return_dict = getattr(lm.config, "return_dict", True)
     logits_to_keep = arguments.pop("logits_to_keep", 0)
+    with_router = patch.router is not None and patch.router.wanted(lm, arguments)
+    if patch.router is not None:
+        arguments["output_router_logits"] = with_router  # as HF's forward passes it on
     # The rest goes to the backbone, as HF's own forward passes it (num_items_in_batch etc.
     # included: the backbone ignores what it does not use).
     outputs = _backbone(lm)(**arguments)
@@ -250,6 +296,7 @@ def _chunked_forward(
             hidden.dtype,
             patch.budget,
             head_kind=head_kind_of(head),
+            softcap=patch.transform.softcap is not None,
         )
     shift_labels = arguments.get("shift_labels")
     loss = chunked_cross_entropy(
@@ -260,14 +307,23 @@ def _chunked_forward(
         ignore_index=arguments.get("ignore_index", -100),
         shift=shift_labels is None,
         num_items_in_batch=arguments.get("num_items_in_batch"),
+        transform=patch.transform,
     )
-    from transformers.modeling_outputs import CausalLMOutputWithPast  # heavy; only when used
+    from transformers import modeling_outputs as mo  # heavy; only when used
 
-    out = CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
-        hidden_states=getattr(outputs, "hidden_states", None),
-        attentions=getattr(outputs, "attentions", None),
-    )
+    common = {
+        "logits": None,
+        "past_key_values": getattr(outputs, "past_key_values", None),
+        "hidden_states": getattr(outputs, "hidden_states", None),
+        "attentions": getattr(outputs, "attentions", None),
+    }
+    if patch.router is None:
+        out = mo.CausalLMOutputWithPast(loss=loss, **common)
+    else:
+        aux = None
+        if with_router:
+            loss, aux = patch.router.add(lm, loss, outputs, arguments.get("attention_mask"))
+        out = mo.MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux, router_logits=getattr(outputs, "router_logits", None),
+            **common)
     return out if return_dict else out.to_tuple()

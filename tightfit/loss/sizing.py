@@ -19,6 +19,11 @@ Where the bytes are, per token and per vocabulary entry (``d`` = bytes of the lo
   bf16 (``3d`` and ``4 + 5d``). A 4-bit base adds its dequantized weight.
 * chunked, ``"recompute"``: autograd's cross-entropy per chunk (log-softmax, NLL gradient,
   log-softmax gradient): 12, plus ``2d`` for a module head.
+* a logit soft-cap (Gemma 2, ``softcap=True``): unchunked, HF's tanh output is one more
+  logits copy (``d``); ``"precompute"`` keeps its derivative in a second fp32 buffer (at
+  least 8 in all, measured: +4 fp32 and +2 bf16 for a linear head, nothing for a LoRA head
+  whose temporaries are larger); ``"recompute"``: autograd saves the tanh (+4). A plain
+  scale (Cohere, Granite) is done in place and costs nothing.
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ def chunk_bytes_per_token(
     *,
     head_kind: HeadKind = "linear",
     strategy: ChunkStrategy = "precompute",
+    softcap: bool = False,
 ) -> int:
-    """Bytes one token of a chunk holds at the chunk's peak (logits and their copies)."""
+    """Bytes one token of a chunk holds at the chunk's peak (logits and their copies);
+    ``softcap``: the logits are soft-capped first (see the module notes)."""
     d = _dtype_bytes(dtype)
     if strategy == "recompute":
         # autograd's cross-entropy on the recomputed chunk: the saved fp32 log-softmax, the
@@ -77,6 +84,9 @@ def chunk_bytes_per_token(
         per_vocab = 3 * d
     else:
         per_vocab = _LOSS_FP32 + 5 * d  # same for bf16/fp16, measured 14
+    if softcap:
+        per_vocab = (per_vocab + _LOSS_FP32 if strategy == "recompute"
+                     else max(per_vocab, 2 * _LOSS_FP32))
     return vocab_size * per_vocab
 
 
@@ -91,6 +101,7 @@ def predict_head_loss_bytes(
     trainable_head_numel: int = 0,
     head_kind: HeadKind = "linear",
     strategy: ChunkStrategy = "precompute",
+    softcap: bool = False,
 ) -> int:
     """Predicted peak bytes of the head and loss over one forward+backward.
 
@@ -107,6 +118,7 @@ def predict_head_loss_bytes(
             LoRA-wrapped Linear) or ``"4bit"`` (a bitsandbytes ``Linear4bit`` base, which
             dequantizes its weight on every call).
         strategy: Chunked strategy (see :func:`tightfit.loss.chunked_cross_entropy`).
+        softcap: The logits are soft-capped before the loss (Gemma 2).
 
     Returns:
         Peak bytes above the hidden states and weights present before the head runs.
@@ -120,14 +132,16 @@ def predict_head_loss_bytes(
     # a module head (LoRA) also saves its low-rank activations and sums two input gradients
     module_extra = 3 * grad_hidden if head_kind != "linear" else 0
     if chunk_tokens is None:
-        ce_stage = n * vocab_size * (d + 3 * _LOSS_FP32)
+        # a soft-cap's tanh output stays alive too (autograd saves it), one more logits copy
+        ce_stage = n * vocab_size * ((2 if softcap else 1) * d + 3 * _LOSS_FP32)
         # the head's own backward: logits still alive, their gradient, and the param grads
         matmul_stage = 2 * n * vocab_size * d + grad_hidden + trainable_head_numel * d
         return labels + dequant + module_extra + max(ce_stage, matmul_stage)
     _check_positive(chunk_tokens=chunk_tokens)
     c = min(chunk_tokens, n)
     labels += c * _ROW_VECTORS
-    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, strategy=strategy)
+    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, strategy=strategy,
+                                      softcap=softcap)
     if strategy == "recompute":
         # AccumulateGrad adds each chunk's parameter gradient into .grad (param dtype)
         grads = trainable_head_numel * d
@@ -148,6 +162,7 @@ def auto_chunk_tokens(
     budget: int | None = None,
     *,
     head_kind: HeadKind = "linear",
+    softcap: bool = False,
 ) -> int:
     """Tokens per chunk for a vocabulary, batch shape and dtype.
 
@@ -162,6 +177,7 @@ def auto_chunk_tokens(
             64 tokens;
             then evened out over the chunks (and rounded up to a multiple of 8 if that fits).
         head_kind: See :func:`predict_head_loss_bytes`.
+        softcap: See :func:`predict_head_loss_bytes`.
 
     Returns:
         Tokens per chunk, between 1 and ``seq_len * batch``.
@@ -171,7 +187,7 @@ def auto_chunk_tokens(
     """
     _check_positive(vocab_size=vocab_size, seq_len=seq_len, batch=batch)
     n = seq_len * batch
-    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind)
+    per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, softcap=softcap)
     if budget is not None:
         _check_positive(budget=budget)
         if budget < per_token:

@@ -30,7 +30,7 @@ class LoraOptions:
         default="all-linear",
         metadata={
             "help": "comma-separated module-name suffixes to adapt, or 'all-linear' "
-            "(every linear layer except the output head)"
+            "(every linear layer and MoE expert weight except the output head)"
         },
     )
 

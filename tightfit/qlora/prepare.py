@@ -5,7 +5,10 @@ Order matters and is fixed here so that every caller gets the same stack:
 1. load (a local HF causal-LM folder) or take the model; check every option against it
    *before* anything changes (LoRA targets that match nothing, an unknown policy, ...);
 2. freeze the base and swap its linear layers for bitsandbytes ``Linear4bit`` (NF4 + DQ);
-3. wrap with peft LoRA adapters (all linear layers except the output head by default);
+   MoE experts kept as fused 3-D weights get the same storage per expert
+   (:mod:`tightfit.qlora.experts`);
+3. wrap with peft LoRA adapters (all linear layers and expert weights except the output head
+   by default; experts through peft's parameter targets, :mod:`tightfit.qlora.expert_lora`);
 4. compute the LM head + loss in chunks (tightfit.loss) so full logits never exist;
 5. install the checkpoint plan (tightfit's planner, profiling the chunked model).
 """
@@ -22,6 +25,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tightfit.qlora.coverage import coverage_notes
+from tightfit.qlora.experts import (
+    check_experts,
+    expert_modules,
+    expert_weight_names,
+    quantize_experts,
+)
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.qlora.quantize import _output_head_names, quantize_linears
 
@@ -35,13 +45,15 @@ class PrepareInfo:
         lora: The LoRA options used (``None``: no adapters).
         device: Where the model lives.
         compute_dtype: Dtype of the matmuls and of the unquantized weights.
-        quantized: Qualified names of the layers now in 4 bits.
-        lora_targets: Qualified names of the layers that got adapters.
+        quantized: Qualified names of the layers (and MoE expert weights) now in 4 bits.
+        lora_targets: Qualified names of the layers (and MoE expert weights) that got
+            adapters.
         base_numel: Parameters of the base model before any change (what full fine-tuning
             would train).
         plan: The installed checkpoint plan (``None`` when checkpointing is off).
         loss_chunks: Tokens per loss chunk actually installed (``None``: unchunked).
-        notes: Anything the caller should know (a fallback taken, a piece skipped).
+        notes: Anything the caller should know (a fallback taken, a piece skipped, the
+            weights left in full precision or without adapters).
     """
 
     options: PrepareOptions
@@ -90,8 +102,11 @@ def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = 
     return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
 
 
-def _lora_target_names(model: nn.Module, lora: LoraOptions) -> list[str]:
-    """Names of the linear layers the LoRA options select (checked before any change)."""
+def _lora_targets(
+    model: nn.Module, lora: LoraOptions, quant: str | None
+) -> tuple[list[str], list[str]]:
+    """The linear layers and the MoE expert weights the LoRA options select (checked before
+    any change): ``(module names, parameter names)``."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (peft adapts them)
 
     heads = _output_head_names(model)
@@ -100,18 +115,37 @@ def _lora_target_names(model: nn.Module, lora: LoraOptions) -> list[str]:
         for n, m in model.named_modules()
         if isinstance(m, (nn.Linear, Conv1D)) and n not in heads and not n.endswith("lm_head")
     ]
+    experts = [f"{q}.{w}" for q, m in expert_modules(model) for w in expert_weight_names(m)]
     if lora.target_modules == "all-linear":
-        names = linears
+        names, params = linears, experts
     else:
         wanted = tuple(lora.target_modules)
         names = [n for n in linears if n.split(".")[-1] in wanted or n in wanted]
-    if not names:
-        sample = sorted({n.split(".")[-1] for n in linears})[:12]
+        params = [n for n in experts if n.split(".")[-1] in wanted or n in wanted]
+    if not names and not params:
+        sample = sorted({n.split(".")[-1] for n in linears + experts})[:12]
         raise ValueError(
-            f"LoRA target_modules {lora.target_modules!r} match no linear layer of the model; "
-            f"its linear layers are named {sample}; pass some of these or 'all-linear'."
+            f"LoRA target_modules {lora.target_modules!r} match no linear layer or expert weight "
+            f"of the model; they are named {sample}; pass some of these or 'all-linear'."
         )
-    return names
+    if params and lora.dropout and quant is None:
+        # 4-bit experts apply dropout per expert (expert_lora); peft's own wrapper cannot
+        raise ValueError(
+            f"LoRA dropout={lora.dropout} cannot apply to full-precision MoE expert weights "
+            "(peft's ParamWrapper folds the adapter into the weight, so there is no adapter "
+            "input to drop); pass dropout=0, a 4-bit base (quant='nf4'), or target_modules "
+            f"without the expert weights ({sorted({p.split('.')[-1] for p in params})})."
+        )
+    return names, params
+
+
+def _check_model(
+    model: nn.Module, options: PrepareOptions, lora: LoraOptions | None
+) -> tuple[list[str], list[str]]:
+    """Refuse what cannot be done right before anything changes; the LoRA targets."""
+    if options.quant is not None or lora is not None:
+        check_experts(model)  # 3-D weights outside transformers' fused-experts contract
+    return _lora_targets(model, lora, options.quant) if lora is not None else ([], [])
 
 
 def _auto_device(device: torch.device | str | None) -> torch.device:
@@ -176,15 +210,17 @@ def prepare(
     lora_opts = None if lora is False else (LoraOptions.coerce(lora) or LoraOptions())
     dev, cdtype = _check_device_and_policy(options, device)
     model = _take_model(model_or_path)
-    targets = _lora_target_names(model, lora_opts) if lora_opts is not None else []
-    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets)
+    targets, expert_targets = _check_model(model, options, lora_opts)
+    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
-    # -- 2. frozen base, 4-bit linears; 3. LoRA -----------------------------------------
+    # -- 2. frozen base, 4-bit linears and experts; 3. LoRA -----------------------------
     info.quantized = _quantize_base(model, options, cdtype, dev,
                                     train_base=lora_opts is None and options.quant is None)
     if lora_opts is not None:
-        model = _add_lora(model, lora_opts, targets)
+        model = _add_lora(model, lora_opts, targets, expert_targets)
+    info.notes += coverage_notes(model, quantized=options.quant is not None,
+                                 adapted=lora_opts is not None)
 
     # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
@@ -228,10 +264,11 @@ def _quantize_base(
     *,
     train_base: bool,
 ) -> list[str]:
-    """Freeze the base (unless ``train_base``), swap its linears for 4-bit ones, move it.
+    """Freeze the base (unless ``train_base``), swap its linears for 4-bit ones, store its
+    MoE experts in 4 bits, move it.
 
     Returns:
-        The qualified names of the layers now in 4 bits.
+        The qualified names of the layers and expert weights now in 4 bits.
     """
     for p in model.parameters():
         p.requires_grad_(train_base)
@@ -245,6 +282,14 @@ def _quantize_base(
             blocksize=options.blocksize,
             device=dev,
         )
+        quantized += quantize_experts(
+            model,
+            quant_type=options.quant,
+            double_quant=options.double_quant,
+            blocksize=options.blocksize,
+            compute_dtype=cdtype,
+            device=dev,
+        )
     # The unquantized rest (embeddings, norms, head) in the compute dtype, on the device.
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != cdtype:
@@ -253,18 +298,28 @@ def _quantize_base(
     return quantized
 
 
-def _add_lora(model: nn.Module, lora: LoraOptions, targets: list[str]) -> nn.Module:
-    """``model`` wrapped by peft with LoRA adapters on ``targets``."""
+def _add_lora(
+    model: nn.Module, lora: LoraOptions, targets: list[str], expert_targets: list[str]
+) -> nn.Module:
+    """``model`` wrapped by peft with LoRA adapters on the layers ``targets`` and the MoE
+    expert weights ``expert_targets`` (peft's parameter targets)."""
     from peft import LoraConfig, get_peft_model
+
+    from tightfit.qlora.expert_lora import custom_modules
 
     cfg = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
+        target_parameters=expert_targets or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
+    # 4-bit experts: peft's ParamWrapper, adapting each expert's 4-bit matmul
+    # (full-precision experts keep peft's own, which parametrizes the weight)
+    if custom := custom_modules(model):
+        cfg._register_custom_module(custom)
     with warnings.catch_warnings():
         # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
         # FutureWarning is about peft's code, not the user's, so it is only noise here.

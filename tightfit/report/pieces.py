@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
+from tightfit.qlora.experts import expert_specs, is_4bit_experts, packed_experts
 from tightfit.qlora.quantize import linear4bit_layers
 
 BF16_BYTES = 2
@@ -28,11 +29,15 @@ FP32_BYTES = 4
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """4-bit base weights: how many parameters, their packed bytes and their bf16 bytes."""
+    """4-bit base weights: how many parameters, their packed bytes and their bf16 bytes.
+
+    ``expert_numel`` is the part of ``numel`` in MoE experts (all of them, routed or not).
+    """
 
     numel: int
     packed_bytes: int
     bf16_bytes: int
+    expert_numel: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,15 +63,25 @@ class ConstantBytes:
         return 8 * self.double_bytes / max(self.numel, 1)
 
 
-def weight_bytes(model: nn.Module) -> WeightBytes:
-    """Count the 4-bit linear layers' parameters and bytes."""
-    numel = packed = 0
+def _four_bit(model: nn.Module) -> Iterator[tuple[int, bnbF.QuantState, bool]]:
+    """``(packed bytes, quant state, is an expert)`` of every 4-bit weight: each
+    ``Linear4bit`` layer, and each expert of each 4-bit experts module."""
     for _, layer in linear4bit_layers(model):
         w = layer.weight
-        n = int(torch.Size(w.quant_state.shape).numel()) if w.quant_state is not None else w.numel()
+        yield w.untyped_storage().nbytes(), w.quant_state, False
+    for _, packed, qs in packed_experts(model):
+        yield packed.nbytes, qs, True
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """Count the 4-bit weights (linear layers and MoE experts): parameters and bytes."""
+    numel = packed = experts = 0
+    for nbytes, qs, is_expert in _four_bit(model):
+        n = int(torch.Size(qs.shape).numel())
         numel += n
-        packed += w.untyped_storage().nbytes()
-    return WeightBytes(numel, packed, numel * BF16_BYTES)
+        experts += n if is_expert else 0
+        packed += nbytes
+    return WeightBytes(numel, packed, numel * BF16_BYTES, experts)
 
 
 def constant_bytes(model: nn.Module) -> ConstantBytes:
@@ -79,8 +94,7 @@ def constant_bytes(model: nn.Module) -> ConstantBytes:
     """
     numel = single = double = code = 0
     seen_codes: set[int] = set()
-    for _, layer in linear4bit_layers(model):
-        qs = layer.weight.quant_state
+    for _, qs, _ in _four_bit(model):
         numel += int(torch.Size(qs.shape).numel())
         if qs.nested:
             fp32_absmax = bnbF.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
@@ -92,7 +106,7 @@ def constant_bytes(model: nn.Module) -> ConstantBytes:
         single += fp32_absmax.nbytes
         double += nested_absmax.nbytes + state2.absmax.nbytes + torch.as_tensor(offset).nbytes
         ptr = state2.code.data_ptr()
-        if ptr not in seen_codes:  # shared tables count once
+        if ptr not in seen_codes:  # shared tables (one per layer or expert stack) count once
             seen_codes.add(ptr)
             code += state2.code.nbytes
     return ConstantBytes(numel, single, double, code)
@@ -110,11 +124,17 @@ def grad_bytes(model: nn.Module) -> int:
 
 
 def frozen_other_bytes(model: nn.Module) -> int:
-    """Bytes of frozen parameters that are not 4-bit weights (embeddings, norms, head)."""
+    """Bytes of frozen parameters that are not 4-bit weights (embeddings, norms, head, MoE
+    routers)."""
+    packed = {
+        id(getattr(m, name))
+        for m in model.modules() if is_4bit_experts(m)
+        for name in expert_specs(m)
+    }
     return sum(
         p.nbytes
         for p in model.parameters()
-        if not p.requires_grad and not isinstance(p, bnb.nn.Params4bit)
+        if not p.requires_grad and not isinstance(p, bnb.nn.Params4bit) and id(p) not in packed
     )
 
 

@@ -246,7 +246,8 @@ def measure_report(
 
     rows = [
         Piece("base weights", "base weight storage", "bf16", w.bf16_bytes, "NF4", w.packed_bytes,
-              {"params": w.numel, "bits_per_param": 8 * w.packed_bytes / max(w.numel, 1)}),
+              {"params": w.numel, "expert_params": w.expert_numel,
+               "bits_per_param": 8 * w.packed_bytes / max(w.numel, 1)}),
         Piece("quantization constants", "the quantization constants", "fp32 absmax",
               c.single_bytes, "double quant", c.double_bytes,
               {"bits_per_param_without": c.single_bits_per_param,

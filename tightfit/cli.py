@@ -17,6 +17,7 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "tightfit.optim.demo", "short paged-optimizer demonstration (prints what was paged)"),
     ("train", "tightfit.train.cli", "fine-tune with the whole QLoRA memory stack; measured report"),
     ("plan", "tightfit.planner.cli", "will this fine-tune fit? predicted bytes per piece, a recommended setup"),
+    ("export", "tightfit.train.export", "a run's adapter and, with --merge, a merged HF model folder"),
 ]
 
 

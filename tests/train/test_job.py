@@ -55,10 +55,12 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 # The whole stack (NF4 + double quant, LoRA, checkpointing, chunked loss, PagedAdamW under a
 # budget that pages) under FSDP2's default for --fsdp, ZeRO-2 (ZeRO-3 + checkpointing is
 # test_zero3_checkpoint.py). A fixed checkpoint plan instead of the budget
-# planner and no activation tracking keep it to ~1 s of CPU per run.
+# planner and no activation tracking keep it to ~1 s of CPU per run. No LoRA dropout: 2 ranks
+# draw other dropout masks than one process does; lr 2e-3 so that 3 steps visibly train.
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
         "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",
-        "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8"]  # fmt: skip
+        "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8",
+        "--lora-dropout", "0", "--lr", "2e-3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""tightfit train end to end: loss falls, resume is bit-exact, saves are atomic, bad input
-fails before anything is written."""
+"""tightfit train end to end: loss falls, resume is bit-exact (from the folder alone too),
+saves are atomic, bad input fails before anything is written."""
 
 from __future__ import annotations
 
@@ -10,24 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tightfit.cli import main
 from tightfit.optim.registry import OptimizerOptions
 from tightfit.qlora.options import LoraOptions
 from tightfit.train import resume
+from tightfit.train.data import Batcher
 from tightfit.train.loop import RunConfig, TrainOptions, train
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+from tightfit.train.options import DataOptions
 
 
 def _cfg(out: Path, model: Path | None, **train_kw) -> RunConfig:
@@ -45,8 +35,10 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_default_run_finishes_loss_falls_and_writes_everything(tmp_path) -> None:
+    # 8 steps only: a higher lr than the recipe's 2e-4 makes the fall visible this soon
     cfg = RunConfig(train=TrainOptions(out=str(tmp_path / "run"), steps=8, batch_size=4,
-                                       seq_len=64, save_every=4, track_every=4))
+                                       seq_len=64, save_every=4, track_every=4),
+                    optimizer=OptimizerOptions(lr=2e-3))
     logs: list[str] = []
     result = train(cfg, progress=False, log=logs.append)
     assert any("RANDOM weights" in line for line in logs)
@@ -128,7 +120,8 @@ def test_bad_input_fails_before_anything_is_written(tmp_path, tiny_dir) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match="no training text"):
-        train(_cfg(out, tiny_dir, data=str(empty)), progress=False, log=lambda s: None)
+        train(replace(_cfg(out, tiny_dir), data=DataOptions(path=str(empty))), progress=False,
+              log=lambda s: None)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train(_cfg(out, tmp_path / "no-model"), progress=False, log=lambda s: None)
     assert not out.exists()
@@ -182,6 +175,8 @@ def test_model_folder_tokenizer_is_used(tmp_path, tiny_dir) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from tightfit.train.data import HFTokenizer, load_train_data
+
     text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int\n" * 40
     (tmp_path / "code.txt").write_text(text)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -191,14 +186,85 @@ def test_model_folder_tokenizer_is_used(tmp_path, tiny_dir) -> None:
     shutil.copytree(tiny_dir, folder)
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(folder)
 
-    from tightfit.train import data as data_mod
-
-    hf = data_mod.HFTokenizer(folder)
-    ids = hf.encode(text)
-    assert len(ids) < len(text.encode()) / 2  # BPE merges, not bytes
-    result = train(_cfg(tmp_path / "out", folder, data=str(tmp_path / "code.txt"), steps=2),
+    data_opts = DataOptions(path=str(tmp_path / "code.txt"))
+    data = load_train_data(data_opts, HFTokenizer(folder), seq_len=32, batch_size=2,
+                           grad_accum=1, seed=0)
+    assert data.summary["tokens"] < len(text.encode()) / 2  # BPE merges, not bytes
+    result = train(replace(_cfg(tmp_path / "out", folder, steps=2), data=data_opts),
                    progress=False, log=lambda s: None)
     assert len(result.history) == 2
     cfg = json.loads((tmp_path / "out" / "run_config.json").read_text())
-    expected = data_mod.TokenData.from_text(text, hf).fingerprint
-    assert cfg["data.fingerprint"] == expected
+    assert cfg["data.fingerprint"] == data.fingerprint
+    data.close()
+
+
+# A run with every new piece in its trajectory: records, an eval split, a cosine schedule,
+# gradient accumulation, packing, dropout. Interrupted after its step-3 save and resumed from
+# the folder alone, it must equal the uninterrupted run bit for bit.
+RESUME_ARGS = ["--steps", "6", "--batch-size", "2", "--grad-accum", "2", "--seq-len", "48",
+               "--save-every", "3", "--eval-every", "2", "--track-every", "0",
+               "--lr-schedule", "cosine", "--warmup-steps", "2", "--eval-fraction", "0.2",
+               "--batching", "pack", "--lr", "1e-2", "--lora-r", "4", "--lora-alpha", "8",
+               "--checkpoint", "none", "--device-budget", "none"]  # fmt: skip
+
+
+def _records(tmp_path: Path) -> Path:
+    from .helpers import write_jsonl
+
+    return write_jsonl(tmp_path / "qa.jsonl", [
+        {"prompt": f"question {i}: what is {i} plus {i % 7}?", "completion": f" {2 * i % 97}"}
+        for i in range(40)])
+
+
+def test_resume_from_the_folder_alone_is_bit_exact(tmp_path, tiny_dir, monkeypatch) -> None:
+    data = _records(tmp_path)
+    base = ["train", "--model", str(tiny_dir), "--data", str(data), *RESUME_ARGS]
+    assert main([*base, "--out", str(tmp_path / "full")]) == 0
+
+    real = Batcher.step
+
+    def dies_at_step_4(self, step):  # the 4th step never comes: a kill after step 3's save
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(Batcher, "step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        main([*base, "--out", str(tmp_path / "cut")])
+    monkeypatch.setattr(Batcher, "step", real)
+    assert resume.saved_step(resume.latest_state(tmp_path / "cut")) == 3
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0  # nothing else given
+
+    full = json.loads((tmp_path / "full" / "report.json").read_text())["meta"]
+    cut = json.loads((tmp_path / "cut" / "report.json").read_text())["meta"]
+    assert [e["eval_loss"] for e in full["eval"]] == [e["eval_loss"] for e in cut["eval"]]
+    assert [e["step"] for e in cut["eval"]] == [2, 4, 6]
+    a, b = _adapter(tmp_path / "full"), _adapter(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fa = (resume.latest_state(tmp_path / "full") / "optimizer.pt").read_bytes()
+    fb = (resume.latest_state(tmp_path / "cut") / "optimizer.pt").read_bytes()
+    assert fa == fb
+
+
+def test_resume_refuses_what_would_change_the_run(tmp_path, tiny_dir, capsys) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_dir), "--data", str(_records(tmp_path)),
+                 "--out", str(run), *RESUME_ARGS, "--steps", "2"]) == 0
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    refused = [
+        (["--lr", "1e-3"], "--lr 0.001 (saved: 0.01)"),
+        (["--steps", "4", "--lora-r", "8"], "--lora-r 8 (saved: 4)"),
+        (["--steps", "4", "--out", str(tmp_path / "other")], "drop --out"),
+        ([], "has done 2 steps; pass --steps N with N > 2"),
+        (["--steps", "2"], "has done 2 steps"),
+    ]
+    for extra, message in refused:
+        assert main(["train", "--resume", str(run), *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "other").exists()
+    assert before == {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    # the saved options given again, and options that cannot change the math, are fine
+    assert main(["train", "--resume", str(run), "--steps", "3", "--lr", "1e-2",
+                 "--save-every", "5", "--track-every", "1"]) == 0
+    assert resume.saved_step(resume.latest_state(run)) == 3

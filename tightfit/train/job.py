@@ -107,6 +107,14 @@ class TrainJob:
         torch.distributed.all_reduce(t)
         return float(t.item()) / self.info.world_size
 
+    def total(self, values: list[float]) -> list[float]:
+        """Each of ``values`` summed over ranks (``values`` itself in one process)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (``[obj]`` in one process)."""
         return launch.gather_objects(obj) if self.distributed else [obj]

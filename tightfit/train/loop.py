@@ -21,8 +21,11 @@ import torch
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.report.report import MemoryReport, measure_report
 from tightfit.train import resume
+from tightfit.train.data import MicroBatch
+from tightfit.train.eval import evaluate
 from tightfit.train.options import RunConfig, TrainOptions
 from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
+from tightfit.train.schedule import lr_at
 from tightfit.train.setup import Run, setup
 
 __all__ = ["RunConfig", "TrainOptions", "TrainResult", "finish", "run_steps", "train"]
@@ -64,7 +67,7 @@ def train(
 
 
 def run_steps(run: Run) -> None:
-    """Train from ``run.start`` to ``--steps``, saving the resume state on schedule.
+    """Train from ``run.start`` to ``--steps``, evaluating and saving the resume state on schedule.
 
     Raises:
         FloatingPointError: the loss is not finite.
@@ -75,16 +78,16 @@ def run_steps(run: Run) -> None:
     prev = _opt_stats(optimizer)
     model.train()
     for step in range(run.start, t.steps):
-        batch = run.tokens.batch(step, t.batch_size, t.seq_len, t.seed)  # a function of step
-        batch = example_on(run.job.rows(batch), run.device)
+        micros = run.data.train.step(step)  # a function of (seed, step)
+        lr = lr_at(step, lr=run.cfg.optimizer.lr, schedule=t.lr_schedule,
+                   warmup=t.warmup_steps, total=t.steps)
         for g in optimizer.param_groups:
-            g["lr"] = _lr_at(step, run.cfg.optimizer.lr, t.warmup_steps)
+            g["lr"] = lr
         tic = time.perf_counter()
         tracked = t.track_every > 0 and step % t.track_every == 0
         tracker = MemoryTracker(run.device) if tracked else None
         with tracker if tracker is not None else contextlib.nullcontext():
-            loss = run.runner(**batch).loss
-            loss.backward()
+            loss = _forward_backward(run, micros)
         if t.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
         optimizer.step()
@@ -92,8 +95,11 @@ def run_steps(run: Run) -> None:
         dt = time.perf_counter() - tic
 
         stats = _opt_stats(optimizer)
-        rec = _record(run, step, loss, dt, tracker, stats, prev)
+        rec = _record(run, step, loss, micros, dt, tracker, stats, prev)
         prev = stats
+        if run.data.eval is not None and (step + 1 == t.steps or (
+                t.eval_every and (step + 1) % t.eval_every == 0)):
+            rec.update(evaluate(run))
         run.history.append(rec)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {step + 1}; lower --lr.")
@@ -104,23 +110,46 @@ def run_steps(run: Run) -> None:
         bar.close()
 
 
+def _forward_backward(run: Run, micros: list[MicroBatch]) -> torch.Tensor:
+    """Forward and backward over a step's micro-batches; the step's loss (this rank's share).
+
+    Each micro-batch's loss is its sum over target tokens divided by the step's target count
+    (over all micro-batches and ranks, divided by the ranks because DDP and FSDP2 average
+    gradients): the summed gradients are those of the mean loss over the whole step, equal to
+    one batch ``--grad-accum`` times larger.
+    """
+    world = run.job.info.world_size if run.job.distributed else 1
+    items = max(1, sum(m.targets for m in micros)) / world  # every rank sees the global rows
+    total = torch.zeros((), device=run.device)
+    for micro in micros:
+        inputs = example_on(run.job.rows(micro.inputs), run.device)
+        loss = run.runner(**inputs, num_items_in_batch=items).loss
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
 def _record(
     run: Run,
     step: int,
     loss: torch.Tensor,
+    micros: list[MicroBatch],
     seconds: float,
     tracker: MemoryTracker | None,
     stats: dict[str, Any],
     prev: dict[str, Any],
 ) -> dict[str, Any]:
-    """One step's history record (under torchrun: the mean loss and every rank's figures)."""
-    t = run.cfg.train
+    """One step's history record (under torchrun: the global loss and every rank's figures)."""
+    tokens = sum(m.tokens for m in micros)
     rec = {
         "step": step + 1,
         "loss": run.job.mean(float(loss.item())),
         "lr": run.optimizer.param_groups[0]["lr"],
         "seconds": seconds,
-        "tokens_per_s": t.batch_size * t.seq_len / seconds,
+        "tokens": tokens,  # the examples' tokens, all micro-batches and ranks
+        "slots": sum(m.slots for m in micros),  # what was computed, padding included
+        "targets": sum(m.targets for m in micros),  # tokens trained
+        "tokens_per_s": tokens / seconds,
         "time": time.monotonic(),  # the clock paging events use
         "device_bytes": int(stats.get("device_bytes", 0)),
         "device_budget": stats.get("device_budget"),
@@ -143,6 +172,7 @@ def finish(run: Run) -> TrainResult:
         "tokens_per_s_median": _median([h["tokens_per_s"] for h in history]),
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
+        **_data_meta(run),
     })
     files = report.save(out) if job.is_main else {}
     events = _paging_events(optimizer)
@@ -157,12 +187,27 @@ def finish(run: Run) -> TrainResult:
     close = getattr(optimizer, "close", None)
     if callable(close):
         close()
+    run.data.close()
     job.close()
     return TrainResult(out, history, report, files, list(run.info.notes))
 
 
-def _lr_at(step: int, lr: float, warmup: int) -> float:
-    return lr * min(1.0, (step + 1) / warmup) if warmup else lr
+def _data_meta(run: Run) -> dict[str, Any]:
+    """What was trained on, the trained tokens, how full the batches were, the eval losses."""
+    h = run.history
+    tokens, slots = sum(x.get("tokens", 0) for x in h), sum(x.get("slots", 0) for x in h)
+    evals = [{k: x[k] for k in ("step", "eval_loss", "eval_perplexity", "eval_tokens")}
+             for x in h if x.get("eval_loss") is not None]
+    return {
+        "data": run.data.summary,
+        "trained_tokens": sum(x.get("targets", 0) for x in h),
+        # padding (bucket) or packing (pack) efficiency: the examples' share of what was computed
+        "batch_efficiency": {"batching": run.cfg.data.batching, "tokens": tokens, "slots": slots,
+                             "efficiency": tokens / slots if slots else None},
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_perplexity": evals[-1]["eval_perplexity"] if evals else None,
+        "eval": evals,
+    }
 
 
 def _opt_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -205,6 +250,10 @@ def _update_bar(bar: Any, rec: dict[str, Any]) -> None:
     budget = rec.get("device_budget")
     dev = rec["device_bytes"]
     occ = f"{dev / budget:.0%}" if budget else f"{dev / 2**20:.1f}MiB"
-    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", dev=occ,
-                    refresh=False)
+    shown = {"loss": f"{rec['loss']:.3f}", "tok_s": f"{rec['tokens_per_s']:.0f}", "dev": occ}
+    if rec.get("eval_loss") is not None:
+        bar.last_eval = f"{rec['eval_loss']:.3f}"
+    if getattr(bar, "last_eval", None) is not None:
+        shown["eval"] = bar.last_eval
+    bar.set_postfix(shown, refresh=False)
     bar.update(1)

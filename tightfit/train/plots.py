@@ -24,12 +24,17 @@ def _plt() -> Any:
 
 
 def plot_loss(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Loss per step (PNG)."""
+    """Training loss per step and, where the run evaluated, the eval loss beside it (PNG)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2)
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2,
+            label="training loss")
+    evals = [(h["step"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals), "o-", ms=4, lw=1.2, color="#d62728", label="eval loss")
+        ax.legend(fontsize=8)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title("tightfit train: loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit.train.options import LAUNCH_KEYS, RESUME_FREE, RunConfig, flag_name
+
 LATEST = "LATEST"
 CONFIG = "run_config.json"
 STATES_DIR = "checkpoints"  # the on-disk name predates the vocabulary; kept for old runs
@@ -158,6 +160,11 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     return SavedState(int(state["step"]), list(state["history"]), folder)
 
 
+def saved_step(folder: Path) -> int:
+    """The step a saved state reached."""
+    return int(torch.load(folder / "trainer_state.pt", weights_only=False)["step"])
+
+
 def write_config(out: Path, config: dict[str, Any]) -> None:
     _atomic_text(out / CONFIG, json.dumps(config, indent=2, sort_keys=True, default=str))
 
@@ -170,6 +177,40 @@ def read_config(out: Path) -> dict[str, Any]:
             "the --out folder of an earlier run to --resume."
         )
     return json.loads(path.read_text())
+
+
+def resumed_config(folder: str | os.PathLike[str], changes: dict[str, Any]) -> RunConfig:
+    """The configuration saved in a run folder, with the few ``changes`` a resume may make.
+
+    Args:
+        folder: The run's output folder.
+        changes: ``{"group.option": value}`` given again (``{"train.steps": 80}``); options in
+            :data:`~tightfit.train.options.RESUME_FREE` may differ from the saved ones, any
+            other must equal its saved value. Launch options (``--fsdp``, ``--zero3``) are
+            not inherited: they say how this process was started.
+
+    Raises:
+        FileNotFoundError: ``folder`` is no run folder.
+        ValueError: ``--out`` given, or an option that would change the math.
+    """
+    if changes.get("train.out") is not None:
+        raise ValueError(f"--resume {folder} continues the run in its own folder; drop --out "
+                         "(to branch a run, copy its folder and resume the copy).")
+    saved = read_config(Path(folder))
+    launch = dict.fromkeys(LAUNCH_KEYS, False)
+    base = RunConfig().with_flat({**saved, **launch, "train.out": None,
+                                  "train.resume": str(folder)})
+    wanted = base.with_flat({k: v for k, v in changes.items()
+                             if k not in ("train.out", "train.resume")})
+    old, new = base.flat(), wanted.flat()
+    differ = sorted(k for k in new if k not in RESUME_FREE and new[k] != old.get(k))
+    if differ:
+        shown = ", ".join(f"{flag_name(k)} {new[k]!r} (saved: {old.get(k)!r})" for k in differ)
+        free = sorted(flag_name(k) for k in RESUME_FREE if k not in ("train.out", "train.resume"))
+        raise ValueError(f"--resume {folder} continues the run with its saved options; these "
+                         f"differ: {shown}. Only {', '.join(free)} may change; start a new "
+                         "--out to change the others.")
+    return wanted
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any], free: set[str]) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +19,14 @@ from torch import nn
 
 from tightfit.optim.registry import OptimizerOptions, optimizer_for
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
-from tightfit.train import data as data_mod
 from tightfit.train import model as builtin
 from tightfit.train import resume
+from tightfit.train.data import TrainData, load_tokenizer, load_train_data
 from tightfit.train.job import TrainJob
-from tightfit.train.options import RunConfig, TrainOptions
+from tightfit.train.options import RESUME_FREE, RunConfig, TrainOptions
 
 DEMO_PAGE_BYTES = 64 << 10
 DEMO_DEVICE_BUDGET = 256 << 10
-
-# Options that may change between a run and its resume without changing the trajectory.
-_FREE_KEYS = {"train.steps", "train.out", "train.resume", "train.save_every",
-              "train.track_every", "train.threads", "optimizer.spill_dir", "train.fsdp",
-              "train.zero3"}
 
 
 @dataclass
@@ -42,7 +37,7 @@ class Run:
         cfg: The run's options.
         job: This process's place in the run (one process, or one rank under torchrun).
         out: The output folder.
-        tokens: The tokenized training data.
+        data: The training (and eval) data, batched.
         model: The prepared model (a peft model when LoRA is on).
         runner: What forward/backward run through: ``model``, its DDP wrapper, or ``model``
             sharded in place by FSDP2.
@@ -59,7 +54,7 @@ class Run:
     cfg: RunConfig
     job: TrainJob
     out: Path
-    tokens: data_mod.TokenData
+    data: TrainData
     model: nn.Module
     runner: nn.Module
     optimizer: torch.optim.Optimizer
@@ -94,14 +89,29 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     out = _output_folder(t)
     saved = _check_output_folder(out, t)
     _set_threads(t)
-    model, tokens, _ = _load_inputs(cfg)
-    flat = _flat_config(cfg, tokens.fingerprint)
+    data = _load_data(cfg, progress)
+    try:
+        return _build(cfg, job, out, saved, data, progress, log)
+    except BaseException:
+        data.close()
+        raise
+
+
+def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | None,
+           data: TrainData, progress: bool, log: Callable[[str], None]) -> Run:
+    """Model, optimizer and output folder over checked data (``setup``'s second half)."""
+    t = cfg.train
+    flat = {**cfg.flat(), "data.fingerprint": data.fingerprint,
+            "data.eval_fingerprint": data.eval_fingerprint}
     if saved is not None:
         _check_same_config(out, saved, flat)
+        _note_schedule_horizon(saved, flat, log)
+    model = _load_model(cfg, data)
     if t.model is None:
         log(builtin.RANDOM_WEIGHTS_NOTE)
+    log(data.describe())
 
-    example = tokens.batch(0, t.batch_size, t.seq_len, t.seed)
+    example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
     model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example, device=t.device)
     info = model.tightfit_info
     runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
@@ -114,7 +124,7 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     if info.plan is not None:
         log(str(info.plan))
 
-    run = Run(cfg, job, out, tokens, model, runner, optimizer, info, example, log, progress)
+    run = Run(cfg, job, out, data, model, runner, optimizer, info, example, log, progress)
     _open_output_folder(run, flat, resuming=saved is not None)
     return run
 
@@ -132,9 +142,14 @@ def _check_output_folder(out: Path, t: TrainOptions) -> dict[str, Any] | None:
     """The saved run config when resuming (``None`` for a new run), the folder checked."""
     if t.resume is not None:
         saved = resume.read_config(out)
-        if resume.latest_state(out) is None:
+        latest = resume.latest_state(out)
+        if latest is None:
             raise ValueError(f"{str(out)!r} has no complete saved state to resume from; start "
                              "a new run instead of --resume.")
+        done = resume.saved_step(latest)
+        if t.steps <= done:
+            raise ValueError(f"the run in {str(out)!r} has done {done} steps; pass --steps N "
+                             f"with N > {done} to train it further.")
         return saved
     if resume.latest_state(out) is not None:
         raise ValueError(f"{str(out)!r} already holds a run; pass --resume {out} to continue it "
@@ -143,11 +158,18 @@ def _check_output_folder(out: Path, t: TrainOptions) -> dict[str, Any] | None:
 
 
 def _check_same_config(out: Path, saved: dict[str, Any], flat: dict[str, Any]) -> None:
-    diff = resume.config_mismatch(saved, flat, _FREE_KEYS)
+    diff = resume.config_mismatch(saved, flat, set(RESUME_FREE))
     if diff:
         shown = "; ".join(f"{k}: was {saved.get(k)!r}, now {flat.get(k)!r}" for k in diff)
         raise ValueError(f"--resume {str(out)!r} was written by another configuration ({shown}); "
                          "resume with the same options or start a new --out.")
+
+
+def _note_schedule_horizon(saved: dict[str, Any], flat: dict[str, Any],
+                           log: Callable[[str], None]) -> None:
+    if flat["train.lr_schedule"] != "constant" and saved.get("train.steps") != flat["train.steps"]:
+        log(f"note: --lr-schedule {flat['train.lr_schedule']} decays over --steps: from here on "
+            f"over {flat['train.steps']} steps (the steps done used {saved.get('train.steps')})")
 
 
 def _set_threads(t: TrainOptions) -> None:
@@ -165,43 +187,39 @@ def _device_type(device: str | None) -> str:
     return torch.device(device).type
 
 
-def _load_inputs(cfg: RunConfig) -> tuple[Any, data_mod.TokenData, Any]:
-    """Model (unprepared), data and tokenizer, every check done."""
+def _load_data(cfg: RunConfig, progress: bool) -> TrainData:
+    """The tokenizer and the checked, tokenized data (the model folder checked first)."""
     t = cfg.train
-    if t.model is None:
-        tokenizer: Any = data_mod.ByteTokenizer()
-    else:
-        folder = Path(t.model)
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"model folder {t.model!r} does not exist; pass a local Hugging Face model "
-                "folder or omit --model for the built-in model.")
-        tokenizer = (data_mod.HFTokenizer(folder) if data_mod.has_hf_tokenizer(folder)
-                     else data_mod.ByteTokenizer())
-    tokens = data_mod.TokenData.from_text(data_mod.read_corpus(t.data), tokenizer)
-    tokens.check_fits(t.seq_len)
+    if t.model is not None and not Path(t.model).is_dir():
+        raise FileNotFoundError(
+            f"model folder {t.model!r} does not exist; pass a local Hugging Face model "
+            "folder or omit --model for the built-in model.")
+    return load_train_data(cfg.data, load_tokenizer(t.model), seq_len=t.seq_len,
+                           batch_size=t.batch_size, grad_accum=t.grad_accum, seed=t.seed,
+                           progress=progress)
+
+
+def _load_model(cfg: RunConfig, data: TrainData) -> nn.Module:
+    """The unprepared model, checked against the data (positions, vocabulary)."""
+    t = cfg.train
     torch.manual_seed(t.seed)  # the built-in model's random weights come from the seed
     model = builtin.builtin_model() if t.model is None else load_causal_lm(t.model)
+    if getattr(model, "config", None) is not None:
+        # Training: a KV cache is memory for nothing, and it turns off transformers' packed
+        # sequence masks (--batching pack).
+        model.config.use_cache = False
     limit = builtin.max_positions(model)
     if limit is not None and t.seq_len > limit:
         raise ValueError(
             f"--seq-len {t.seq_len} is longer than the model allows ({limit} positions); "
             f"pass --seq-len {limit} or less.")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and int(tokens.tokens.max()) >= vocab:
+    top = max(b.examples.max_id() for b in (data.train, data.eval) if b is not None)
+    if vocab is not None and top >= vocab:
         raise ValueError(
-            f"the tokenizer produces id {int(tokens.tokens.max())} but the model's vocabulary "
-            f"has {vocab} entries; use the model folder's own tokenizer.")
-    return model, tokens, tokenizer
-
-
-def _flat_config(cfg: RunConfig, fingerprint: str) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for group, value in asdict(cfg).items():
-        for k, v in value.items():
-            flat[f"{group}.{k}"] = list(v) if isinstance(v, tuple) else v
-    flat["data.fingerprint"] = fingerprint
-    return flat
+            f"the tokenizer produces id {top} but the model's vocabulary has {vocab} entries; "
+            "use the model folder's own tokenizer.")
+    return model
 
 
 def _optimizer_options(cfg: RunConfig, log: Callable[[str], None]) -> OptimizerOptions:

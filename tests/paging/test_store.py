@@ -9,6 +9,7 @@ import torch
 
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.store import PageStore
+from tightfit.tiers.owner import OWNER_FILE
 
 from ..tiers.counting import CountingEngine, count_copies, payload_bytes
 
@@ -115,8 +116,8 @@ def test_spill_files_are_gone_after_close(tmp_path) -> None:
     params, opt = _opt(PAGE, spill_dir=tmp_path)
     _step(params, opt)
     folder = opt.memory_stats()["spill_dir"]
-    files = os.listdir(folder)
-    assert files and all(f.endswith(".spill") for f in files)
+    files = sorted(os.listdir(folder))
+    assert files == ["group0.spill", OWNER_FILE]  # the spill file and who made it
     opt.close()
     assert not os.path.exists(folder) and os.listdir(tmp_path) == []
 

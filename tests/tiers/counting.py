@@ -32,14 +32,14 @@ class Counting:
         super().__init__(*args)
         self.loaded = self.stored = self.moved = 0
 
-    def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
+    def load(self, home: Any, slot: torch.Tensor) -> object:
         handle = super().load(home, slot)  # type: ignore[misc]
         self.loaded += slot.nbytes
         return handle
 
-    def store(self, slot: torch.Tensor, home: torch.Tensor) -> None:
+    def store(self, slot: torch.Tensor, home: Any) -> None:
         super().store(slot, home)  # type: ignore[misc]
-        self.stored += home.nbytes
+        self.stored += slot.nbytes  # the home may be a spill-file page object (no tensor)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         super().copy(dst, src)  # type: ignore[misc]

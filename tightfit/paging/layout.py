@@ -78,6 +78,11 @@ class Page:
     spill_offset: int = -1
     updated_step: int = -1  # step id of the last sweep that updated this page
     spill_valid: bool = False  # the spill file holds this page's current bytes (no write-back)
+    # the disk tier's integrity (tightfit.paging.disk): blocks reserved for the page's range,
+    # the checksum of the bytes last written there, and why they are lost (a failed write)
+    spill_reserved: bool = False
+    spill_checksum: int | None = None
+    spill_lost: str | None = None
     # the store's views of a device/host-tier page's arrays, and the segment views on them
     _arrays: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _views: tuple | None = field(default=None, repr=False, compare=False)

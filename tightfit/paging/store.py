@@ -1,13 +1,12 @@
 """The page store: which page lives in which tier, within byte budgets, and the traffic counters.
 
-Residency is planned for the optimizer's cyclic sweep, where LRU thrashes: a fixed set of pages
-stays on the device (as many as the budget allows after reserving a small streaming window) and
-the rest stream through the window every step. That moves the minimum, 2 × the non-resident
-bytes per step. The store also exposes the primitives the pressure logic needs — lower or raise
-the device limit (evicting or restoring pages by bytes) with an event per change.
+Residency follows :mod:`tightfit.paging.residency` (a fixed resident prefix, the rest streamed).
+The store also exposes the primitives the pressure logic needs — lower or raise the device
+limit (evicting or restoring pages by bytes) with an event per change.
 
 Every byte that changes tier goes through the store's copy engine (the sweep's and a re-plan's
-alike); whoever caches views of page memory registers with :meth:`PageStore.on_move`.
+alike); whoever caches views of page memory registers with :meth:`PageStore.on_move`. Pages on
+disk get room reserved before they are placed, and a checksum (:mod:`tightfit.paging.disk`).
 """
 
 from __future__ import annotations
@@ -19,13 +18,14 @@ from typing import Any
 import torch
 
 from tightfit.measure import tracker
+from tightfit.paging import disk
 from tightfit.paging.events import EventLog, PagingCounters
+from tightfit.paging.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
+from tightfit.paging.residency import plan_tiers
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
-from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
+from tightfit.tiers.copy import CopyEngine, CudaCopyEngine, Home
 from tightfit.tiers.spill import SpillArea
-
-WINDOW_SLOTS = 2  # current page + one being prefetched
 
 
 class PageStore:
@@ -71,8 +71,11 @@ class PageStore:
         self.host_budget = None if self.on_cpu else host_budget
         self.device_limit = device_budget  # lowered by pressure (see limit_device)
         self.pages: list[Page] = []
-        self.spill = SpillArea(spill_dir)
+        self.spill = SpillArea(spill_dir)  # removes spill folders of processes that are gone
         self.events = EventLog()
+        for gone in self.spill.cleaned:
+            self.events.record("cleanup", f"removed the spill folder {gone.path} of process "
+                               f"{gone.pid}, which no longer runs", gone.nbytes, 0, "disk", "-")
         self.counters = PagingCounters()
         self.engine = engine or (CopyEngine() if self.on_cpu else CudaCopyEngine(device))
         self.slots: list[torch.Tensor] = []
@@ -104,7 +107,9 @@ class PageStore:
 
     # ------------------------------------------------------------------ layout
     def add_pages(self, pages: list[Page]) -> None:
-        """Register new pages (one param group's); they are allocated by :meth:`materialize`."""
+        """Register new pages (one param group's); they are allocated by :meth:`materialize`
+        (at once when it ran: then a disk without room raises ``OSError`` and nothing is added)."""
+        before = len(self.pages), dict(self._spill_sizes)
         for page in pages:
             size = self._spill_sizes.get(page.group, 0)
             page.spill_offset = size
@@ -121,6 +126,14 @@ class PageStore:
         for group, size in self._spill_sizes.items():
             self.spill.reserve(group, size)
         if self.materialized:
+            try:
+                self._reserve_disk(self.plan()[0])
+            except BaseException:  # refused whole: the pages were only registered
+                del self.pages[before[0]:]
+                self._spill_sizes = before[1]
+                for page in pages:
+                    self._slabs.pop(page.index, None)
+                raise
             self.apply_plan("param group added")
 
     @property
@@ -131,38 +144,30 @@ class PageStore:
     # ------------------------------------------------------------------ planning
     def plan(self) -> tuple[list[str], int]:
         """Target tier of every page and the number of window slots, under the current limits."""
-        total = self.state_bytes
-        limit = self.device_limit
-        if limit is None or total <= limit:
-            return ["device"] * len(self.pages), 0
-        biggest = max(p.nbytes for p in self.pages)
-        slots = max(1, min(WINDOW_SLOTS, limit // biggest))
-        room = limit - slots * biggest
-        host_room = self.host_budget
-        tiers = []
-        for page in self.pages:  # resident set = a prefix of the sweep order (any fixed set works)
-            if page.nbytes <= room:
-                tiers.append("device")
-                room -= page.nbytes
-            elif self.on_cpu:
-                tiers.append("disk")
-            elif host_room is None or page.nbytes <= host_room:
-                tiers.append("host")
-                if host_room is not None:
-                    host_room -= page.nbytes
-            else:
-                tiers.append("disk")
-        return tiers, slots
+        return plan_tiers(self.pages, self.device_limit, self.host_budget, self.on_cpu)
 
     def materialize(self) -> None:
         """Allocate every page (zeros) in its planned tier."""
         if not self.materialized:
+            self.apply_plan("initial placement")  # may refuse (no disk room): then retried
             self.materialized = True
-            self.apply_plan("initial placement")
+
+    def _reserve_disk(self, tiers: list[str]) -> None:
+        hint = "device_budget" if self.on_cpu else "device_budget or host_budget"
+        disk.reserve(self.spill, [p for p, t in zip(self.pages, tiers) if t == "disk"], hint)
 
     def apply_plan(self, reason: str) -> None:
-        """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any."""
+        """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any.
+
+        Disk room for the plan is reserved first (``OSError`` before any page moves), and
+        Ctrl-C waits until every page is in one place (:mod:`tightfit.paging.interrupts`).
+        """
         tiers, nslots = self.plan()
+        self._reserve_disk(tiers)
+        with hold_interrupts():
+            self._apply(tiers, nslots, reason)
+
+    def _apply(self, tiers: list[str], nslots: int, reason: str) -> None:
         self.engine.synchronize()
         self._pages_moving()  # cached views of pages that may move now must go first
         moves: dict[tuple[str, str], list[int]] = {}
@@ -202,9 +207,13 @@ class PageStore:
             )
         if self.device_budget is not None:
             limit = self.device_budget if limit is None else min(limit, self.device_budget)
-        self.device_limit = limit
+        previous, self.device_limit = self.device_limit, limit
         if self.materialized:
-            self.apply_plan(reason)
+            try:
+                self.apply_plan(reason)
+            except OSError:  # e.g. no disk room for the new plan: the old limit stands
+                self.device_limit = previous
+                raise
 
     def evict_bytes(self, nbytes: int, reason: str) -> int:
         """Move pages off the device until ``nbytes`` are freed (or one page's room is left).
@@ -255,12 +264,13 @@ class PageStore:
         self.slots = []
         self.engine.slots_freed()
 
-    def home(self, page: Page) -> torch.Tensor:
-        """The bytes of a non-device page: its host buffer or its spill-file region."""
+    def home(self, page: Page) -> torch.Tensor | Home:
+        """Where the copy engine reads and writes a non-device page: its host buffer, or
+        its spill-file page (which checks the file and the checksum on the copy worker)."""
         if page.tier == "host":
             assert page.buf is not None
             return page.buf
-        return self.spill.region(page.group, page.spill_offset, page.nbytes)
+        return disk.DiskHome(self.spill, page)
 
     def _move(self, page: Page, dst: str) -> int:
         """Move one page to tier ``dst``; returns the bytes copied (0 when the spill file
@@ -274,13 +284,10 @@ class PageStore:
         data = None if src == "new" else self.arrays(page) if in_slab else self._buffer(page)
         new_buf = None
         if dst == "disk":
-            region = self.spill.region(page.group, page.spill_offset, page.nbytes)
-            if data is None:
-                region.zero_()
-            elif page.spill_valid:
-                copied = 0
+            if data is not None and page.spill_valid:
+                copied = 0  # the file holds these bytes already (and their checksum)
             else:
-                page.copy_state(region, data, self.engine.copy)
+                disk.write(self.spill, page, data, self.engine.copy)
             page.spill_valid = True
         elif dst == "device" and slab is not None:
             # fresh slab memory reads as zeros, and so does a released range
@@ -304,8 +311,9 @@ class PageStore:
         return copied
 
     def _buffer(self, page: Page) -> torch.Tensor:
-        """The one-buffer bytes of a page that is not in a slab: its buffer or spill region."""
-        return page.buf if page.buf is not None else self.home(page)
+        """The one-buffer bytes of a page that is not in a slab: its buffer, or its spill
+        region (checked and verified: a page leaving the disk tier is read here)."""
+        return page.buf if page.buf is not None else disk.read(self.spill, page)
 
     def arrays(self, page: Page) -> dict[str, torch.Tensor]:
         """Typed flat views of each state array of a page in memory (device or host tier).
@@ -324,7 +332,7 @@ class PageStore:
         """A CPU copy of a page's bytes in the one-buffer page format (state dicts, saving)."""
         self.engine.synchronize()
         if page.tier == "disk":
-            return self.home(page).clone()
+            return disk.read_copy(self.spill, page)
         if page.buf is not None:
             return page.buf.to("cpu", copy=True)
         out = torch.zeros(page.nbytes, dtype=torch.uint8)  # zeros: alignment gaps are defined
@@ -336,7 +344,7 @@ class PageStore:
         self.engine.synchronize()
         page.spill_valid = page.tier == "disk"
         if page.tier == "disk":
-            self.home(page).copy_(data)
+            disk.write(self.spill, page, data.contiguous())
         elif page.buf is not None:
             page.buf.copy_(data)
         else:
@@ -354,27 +362,19 @@ class PageStore:
     def stats(self) -> dict[str, Any]:
         """Bytes per tier, traffic counters, limits and event counts (the store's part of
         ``PagedOptimizer.memory_stats()``)."""
-        c = self.counters
+        c, counts = self.counters, self.events.counts
         return {
-            "device_bytes": self.device_bytes,
-            "host_bytes": self.host_bytes,
-            "disk_bytes": self.disk_bytes(),
-            "peak_device_bytes": self.peak_device_bytes,
-            "state_bytes": self.state_bytes,
-            "resident_bytes": self.resident_bytes(),
+            "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes(), "peak_device_bytes": self.peak_device_bytes,
+            "state_bytes": self.state_bytes, "resident_bytes": self.resident_bytes(),
             "window_bytes": sum(t.numel() for t in self.slots),
-            "bytes_paged_in": c.bytes_paged_in,
-            "bytes_paged_out": c.bytes_paged_out,
-            "page_faults": c.page_faults,
-            "stall_seconds": c.stall_seconds,
-            "pages": len(self.pages),
-            "page_bytes": self.page_bytes,
-            "device_budget": self.device_budget,
-            "host_budget": self.host_budget,
+            "bytes_paged_in": c.bytes_paged_in, "bytes_paged_out": c.bytes_paged_out,
+            "page_faults": c.page_faults, "stall_seconds": c.stall_seconds,
+            "pages": len(self.pages), "page_bytes": self.page_bytes,
+            "device_budget": self.device_budget, "host_budget": self.host_budget,
             "spill_dir": self.spill.folder,
-            "evict_events": self.events.counts["evict"],
-            "restore_events": self.events.counts["restore"],
-        }
+            "evict_events": counts["evict"], "restore_events": counts["restore"],
+        }  # fmt: skip
 
     def close(self) -> None:
         """Free every page and slot, stop the copy worker and delete the spill files."""

@@ -3,9 +3,20 @@
 The sweep starts loading the first streamed pages into the window, then walks the streamed
 pages: wait for page *i*, update it, write it back, start loading page *i + slots* into the freed
 slot. The resident pages are updated in batched calls spread between the streamed pages (one
-call per layout when nothing streams), so the copies run behind compute the whole time. Each page is
-marked with the step id once updated, so a sweep that stops part-way (an error, an
-out-of-memory) can be run again for the same step and updates only the pages it had not done.
+call per layout when nothing streams), so the copies run behind compute the whole time.
+
+Progress is recorded per page, so that a sweep that stops part-way — an error, an
+out-of-memory, a Ctrl-C — leaves every page either untouched or done (its update applied, the
+page marked with the step id, its write-back queued), and running the sweep again for the same
+step updates only the pages not yet done, each exactly once. Two things make that hold:
+
+* Ctrl-C is held for the whole sweep (:mod:`tightfit.paging.interrupts`) and delivered only
+  between pages, never between a kernel returning and its page being marked;
+* once an update returned, whatever goes wrong next (marking, queuing the write-back) the page
+  is marked and its write-back made before the error goes on (:func:`_commit`).
+
+An update that raises must have changed nothing (torch's fused kernels check and allocate
+before they write), as for an out-of-memory error.
 """
 
 from __future__ import annotations
@@ -14,8 +25,10 @@ from collections.abc import Callable
 
 import torch
 
+from tightfit.paging.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
 from tightfit.paging.store import PageStore
+from tightfit.tiers.copy import write_home
 
 UpdateFn = Callable[[list[tuple[Page, dict[str, torch.Tensor]]]], None]
 
@@ -29,7 +42,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         step_id: id of the step; pages already marked with it are skipped.
         update: called with ``(page, arrays)`` pairs of one layout (group, param dtype and
             state arrays) whose arrays (state name -> flat typed view) are on the device; it
-            updates params and state in place.
+            updates params and state in place, or raises having changed nothing.
     """
     todo = [p for p in pages if p.updated_step != step_id]
     resident = [p for p in todo if p.tier == "device"]
@@ -56,29 +69,67 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         # leave earlier, already updated pages unmarked (a retry would update them twice).
         for part in _by_layout(chunk):
             update([(p, store.arrays(p)) for p in part])
-            for p in part:
-                p.updated_step = step_id
-                p.spill_valid = False
+            _commit(store, part, step_id)
 
+    with hold_interrupts() as hold:
+        try:
+            for i in range(min(len(slots), len(streamed))):
+                start_load(i)
+            update_resident(chunks[0])
+            hold.deliver()  # a safe point: every page is untouched or done
+            for i, page in enumerate(streamed):
+                slot = slots[i % len(slots)][: page.nbytes]
+                counters.stall_seconds += engine.wait(handles.pop(i))
+                update([(page, page.array_views(slot))])
+                _commit(store, [page], step_id, slot)
+                if i + len(slots) < len(streamed):
+                    start_load(i + len(slots))
+                update_resident(chunks[i + 1])
+                hold.deliver()
+        finally:
+            # Write-backs of updated pages must land even when a later page failed.
+            counters.stall_seconds += engine.drain()
+
+
+def mark_done(pages: list[Page], step_id: int) -> None:
+    """Record that ``pages`` hold step ``step_id``'s update (a resident page's spill copy, if
+    any, is stale from now on; a streamed page's is rewritten by its write-back)."""
+    for page in pages:
+        page.updated_step = step_id
+        page.spill_valid = page.tier == "disk"
+
+
+def write_back(store: PageStore, page: Page, slot: torch.Tensor) -> None:
+    """Queue a streamed page's write-back from its window slot to its home."""
+    store.engine.store(slot, store.home(page))
+    store.counters.bytes_paged_out += page.nbytes
+
+
+def _commit(
+    store: PageStore, pages: list[Page], step_id: int, slot: torch.Tensor | None = None
+) -> None:
+    """Mark ``pages`` (their update just returned) and, for a streamed page, queue its
+    write-back from ``slot``. If either fails, the pages are still marked and the write-back
+    is made here and now before the error goes on: the update already happened, so redoing it
+    would apply it twice, and dropping the slot's bytes would lose it."""
+    queued = False
     try:
-        for i in range(min(len(slots), len(streamed))):
-            start_load(i)
-        update_resident(chunks[0])
-        for i, page in enumerate(streamed):
-            slot = slots[i % len(slots)][: page.nbytes]
-            counters.stall_seconds += engine.wait(handles.pop(i))
-            update([(page, page.array_views(slot))])
+        mark_done(pages, step_id)
+        if slot is not None:
+            write_back(store, pages[0], slot)
+            queued = True
+    except BaseException:
+        for page in pages:
             page.updated_step = step_id
-            page.spill_valid = page.tier == "disk"  # its home is rewritten just below
-            # Only updated pages are written back: a page without gradients is never loaded.
-            engine.store(slot, store.home(page))
-            counters.bytes_paged_out += page.nbytes
-            if i + len(slots) < len(streamed):
-                start_load(i + len(slots))
-            update_resident(chunks[i + 1])
-    finally:
-        # Write-backs of updated pages must land even when a later page failed.
-        counters.stall_seconds += engine.drain()
+        if slot is not None and not queued:
+            # No other copy of this slot's bytes to this home is pending (each page is written
+            # back once per sweep), so a direct write cannot overtake one. A failure here marks
+            # a disk page lost (tightfit.paging.disk): a later read says so, never silent.
+            page = pages[0]
+            page.spill_valid = page.tier == "disk"
+            write_home(store.home(page), slot if slot.device.type == "cpu" else slot.cpu())
+            store.counters.bytes_paged_out += page.nbytes
+        raise
 
 
 def _by_layout(pages: list[Page]) -> list[list[Page]]:

@@ -9,6 +9,9 @@ paged optimizers' pages and offloaded activations move through the same engines.
 The tiers: device = the params' device (``cuda:N``, or the CPU when there is no accelerator);
 host = CPU RAM, pinned when the device is CUDA (on the CPU, device and host are one place);
 disk = :class:`tightfit.tiers.spill.SpillArea`.
+
+A home is a tensor (a host buffer, a spill-map view) or a :class:`Home`: an object that does its
+own reads and writes (a spill-file page that checks its file and its checksum on the way).
 """
 
 from __future__ import annotations
@@ -17,8 +20,40 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class Home(Protocol):
+    """A home that copies its bytes itself (run on the copy worker, so checks overlap)."""
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """Copy the home's bytes into ``dst`` (CPU memory); raise if they are not intact."""
+
+    def write_from(self, src: torch.Tensor) -> None:
+        """Make ``src`` (CPU memory) the home's bytes."""
+
+
+def read_home(home: torch.Tensor | Home, dst: torch.Tensor) -> None:
+    """Copy a home's bytes into ``dst``."""
+    if isinstance(home, torch.Tensor):
+        dst.copy_(home)
+    else:
+        home.read_into(dst)
+
+
+def write_home(home: torch.Tensor | Home, src: torch.Tensor) -> None:
+    """Copy ``src`` into a home."""
+    if isinstance(home, torch.Tensor):
+        home.copy_(src)
+    else:
+        home.write_from(src)
+
+
+def _pinned(home: torch.Tensor | Home) -> bool:
+    return isinstance(home, torch.Tensor) and home.is_pinned()
 
 
 class CopyTask:
@@ -104,8 +139,10 @@ class CopyQueue:
                 if mine is None:
                     self._cond.wait()
                     continue
-            mine.run()
-            self._finish(mine)
+            try:
+                mine.run()
+            finally:  # an interrupt here must not leave the queue busy for ever
+                self._finish(mine)
 
     def close(self) -> None:
         """Run what is queued, then stop the worker."""
@@ -127,9 +164,9 @@ class CopyEngine:
         self._pool = CopyQueue()
         self._pending: list[CopyTask] = []
 
-    def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
+    def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
         """Start copying a page's bytes from its home into a device slot; returns a handle."""
-        return self._pool.submit(slot.copy_, home)
+        return self._pool.submit(read_home, home, slot)
 
     def wait(self, handle: object) -> float:
         """Make the slot usable by the update; returns the seconds the caller was blocked."""
@@ -137,9 +174,9 @@ class CopyEngine:
         handle.result()  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
-    def store(self, slot: torch.Tensor, home: torch.Tensor) -> None:
+    def store(self, slot: torch.Tensor, home: torch.Tensor | Home) -> None:
         """Start writing an updated slot back to the page's home."""
-        self._pending.append(self._pool.submit(home.copy_, slot))
+        self._pending.append(self._pool.submit(write_home, home, slot))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` now, in the caller's order (the moves between tiers that
@@ -147,15 +184,22 @@ class CopyEngine:
         dst.copy_(src)
 
     def drain(self) -> float:
-        """Wait for every write-back (re-raising a failed one); returns seconds blocked."""
+        """Wait for every write-back (re-raising a failed one); returns seconds blocked.
+
+        A write-back leaves the list only once it has run, so a drain that is interrupted
+        leaves the rest for the next one to wait for (and to report).
+        """
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, []
         errors = []
-        for task in pending:
+        while self._pending:
             try:
-                task.result()
+                self._pending[0].result()
             except BaseException as exc:  # wait for all of them, then report the first
                 errors.append(exc)
+            if self._pending[0].done:
+                self._pending.pop(0)
+            else:  # interrupted while waiting (the task still runs): keep it, stop here
+                raise errors[-1]
         if errors:
             raise errors[0]
         return time.perf_counter() - t0
@@ -196,15 +240,15 @@ class CudaCopyEngine(CopyEngine):
             self._staging[key] = buf
         return buf[: slot.numel()]
 
-    def load(self, home: torch.Tensor, slot: torch.Tensor) -> object:
-        if home.is_pinned():
+    def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
+        if _pinned(home):
             with torch.cuda.stream(self.stream):
                 slot.copy_(home, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             return ("event", event)
         staging = self._stage(slot)
-        return ("staged", self._pool.submit(staging.copy_, home), staging, slot)
+        return ("staged", self._pool.submit(read_home, home, staging), staging, slot)
 
     def wait(self, handle: object) -> float:
         t0 = time.perf_counter()
@@ -221,11 +265,11 @@ class CudaCopyEngine(CopyEngine):
         torch.cuda.current_stream(self.device).wait_event(event)
         return time.perf_counter() - t0
 
-    def store(self, slot: torch.Tensor, home: torch.Tensor) -> None:
+    def store(self, slot: torch.Tensor, home: torch.Tensor | Home) -> None:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(done)
-        if home.is_pinned():
+        if _pinned(home):
             with torch.cuda.stream(self.stream):
                 home.copy_(slot, non_blocking=True)
             return
@@ -237,7 +281,7 @@ class CudaCopyEngine(CopyEngine):
 
         def write() -> None:
             copied.synchronize()
-            home.copy_(staging)
+            write_home(home, staging)
 
         self._pending.append(self._pool.submit(write))
 
@@ -263,3 +307,4 @@ class CudaCopyEngine(CopyEngine):
         finally:
             super().close()
             self._staging.clear()
+

@@ -1,14 +1,18 @@
 """The disk tier: memory-mapped spill files under a private folder.
 
 On a CPU-only machine the device and the host are one place, so the next tier is the disk:
-a sparse file per owner (a param group of a paged optimizer, or a run of offloaded
-activations), mapped ``MAP_SHARED`` so that untouched bytes cost nothing and written bytes can be
-handed back to the OS (:meth:`SpillArea.release`).
+a file per owner (a param group of a paged optimizer, or a run of offloaded activations),
+mapped ``MAP_SHARED`` so that written bytes can be handed back to the OS
+(:meth:`SpillArea.release`). Disk blocks are reserved (``posix_fallocate``) for the ranges that
+will hold bytes before anything is written there (:meth:`SpillArea.commit`), so a full disk
+is an ``OSError``, not a bus error; the rest of a file stays sparse and costs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import os
 import shutil
@@ -19,6 +23,9 @@ from pathlib import Path
 import torch
 
 from tightfit.measure import tracker
+from tightfit.tiers.owner import Removed, remove_stale, write_owner
+
+SPILL_PREFIX = "tightfit-spill-"  # every private spill folder's name starts so
 
 
 def check_spill_dir(spill_dir: str | os.PathLike | None) -> None:
@@ -47,6 +54,16 @@ _MS_SYNC = 4  # <sys/mman.h> on Linux
 _MADV_DONTNEED = 4
 
 
+def _fallocate(fd: int, offset: int, nbytes: int) -> None:
+    """Allocate the blocks of a file range (or write zeros where the call does not exist)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, offset, nbytes)
+        return
+    zeros = bytes(min(nbytes, 1 << 20))  # macOS, Windows: writing is the only reservation
+    for start in range(offset, offset + nbytes, len(zeros)):
+        os.pwrite(fd, zeros[: min(len(zeros), offset + nbytes - start)], start)
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
@@ -62,7 +79,9 @@ class SpillArea:
     """Spill files, one per param group, created on first use and deleted by :meth:`close`.
 
     Files live in a private folder made inside ``spill_dir`` (or the system temp folder), so
-    closing never touches anything the user put there.
+    closing never touches anything the user put there. The folder holds an owner file
+    (:mod:`tightfit.tiers.owner`), and a new area removes the sibling folders whose process is
+    gone (a crash cannot delete its own): :attr:`cleaned` says what it removed.
     """
 
     def __init__(self, spill_dir: str | os.PathLike | None) -> None:
@@ -70,6 +89,10 @@ class SpillArea:
         self._folder: str | None = None
         self._sizes: dict[int, int] = {}
         self._maps: dict[int, torch.Tensor] = {}
+        self._fds: dict[int, int] = {}  # files made by commit(), kept open for check()
+        self.cleaned: list[Removed] = remove_stale(
+            self._parent or tempfile.gettempdir(), SPILL_PREFIX
+        )
 
     @property
     def folder(self) -> str | None:
@@ -80,13 +103,91 @@ class SpillArea:
         """Declare the size of a group's spill file (all of its pages, back to back)."""
         self._sizes[group] = nbytes
 
+    def _path(self, group: int) -> str:
+        if self._folder is None:
+            folder = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=self._parent)
+            try:
+                write_owner(folder)  # before any spill file: a crash leaves a cleanable folder
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._folder = folder
+        return os.path.join(self._folder, f"group{group}.spill")
+
+    @property
+    def location(self) -> str:
+        """The private folder, or (before it exists) the folder it will be made in."""
+        return self._folder or self._parent or tempfile.gettempdir()
+
+    def free_bytes(self) -> int:
+        """Bytes free for this user on the file system of :attr:`location`."""
+        return shutil.disk_usage(self.location).free
+
+    def commit(self, group: int, offset: int, nbytes: int) -> None:
+        """Reserve disk blocks for bytes ``[offset, offset + nbytes)`` of a group's file.
+
+        The file (of the size :meth:`reserve` declared) is made on first use and stays
+        sparse elsewhere: only ranges that will hold pages take disk. Reserved blocks
+        (``posix_fallocate``) cannot run out later, so a full disk is this ``OSError`` and
+        never a bus error in the middle of a copy. A reserved range reads as zeros.
+
+        Raises:
+            OSError: the file system has no room (``ENOSPC``) or the file cannot be made; a
+                file made by this call is removed again (and a folder left empty with it).
+        """
+        opened = group not in self._fds
+        made = False
+        try:
+            if opened:
+                path = self._path(group)
+                made = not os.path.exists(path)
+                self._fds[group] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                if os.fstat(self._fds[group]).st_size < self._sizes[group]:
+                    os.ftruncate(self._fds[group], self._sizes[group])
+            _fallocate(self._fds[group], offset, nbytes)
+        except BaseException:
+            if opened:
+                self._undo(group, made)
+            raise
+
+    def _undo(self, group: int, remove: bool) -> None:
+        """Forget a file :meth:`commit` failed to make: close it, and remove it (and the
+        folder, when nothing else of ours is in it) if this call made it."""
+        fd = self._fds.pop(group, None)
+        if fd is not None:
+            os.close(fd)
+        if remove and self._folder is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(group))
+            if not self._fds and not self._maps:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                self._folder = None
+
+    def check(self, group: int, offset: int, nbytes: int) -> None:
+        """Raise ``OSError`` if a group's file no longer holds ``[offset, offset + nbytes)``.
+
+        A mapped file that was truncated under us raises ``SIGBUS`` on the next touch, which
+        Python cannot catch: callers check first. Files not made by :meth:`commit` are not
+        checked.
+        """
+        fd = self._fds.get(group)
+        if fd is None:
+            return
+        size = os.fstat(fd).st_size
+        if size < offset + nbytes:
+            raise OSError(
+                errno.EIO,
+                f"the spill file was truncated to {size} bytes under this process, which keeps "
+                f"state up to byte {offset + nbytes} in it: something outside tightfit changed "
+                "it (a cleaner, another process); that state is lost",
+                self._path(group),
+            )
+
     def region(self, group: int, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 view of ``nbytes`` of the group's spill file, mapping it on first use."""
         mapped = self._maps.get(group)
         if mapped is None:
-            if self._folder is None:
-                self._folder = tempfile.mkdtemp(prefix="tightfit-spill-", dir=self._parent)
-            path = os.path.join(self._folder, f"group{group}.spill")
+            path = self._path(group)
             # MAP_SHARED over a sparse file: untouched pages cost no disk and read as zeros.
             # Not counted by MemoryTracker: it is the disk tier (its touched pages are page
             # cache, which release() hands back), not memory a step allocates.
@@ -118,6 +219,9 @@ class SpillArea:
     def close(self) -> None:
         """Unmap and delete every spill file and the private folder."""
         self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None

@@ -1,0 +1,80 @@
+"""InterruptHold: SIGINT recorded inside, delivered at safe points and at exit, nested, and
+left alone where Python does not handle it or off the main thread."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from tightfit.paging.interrupts import hold_interrupts
+
+
+def test_a_signal_inside_waits_for_the_safe_point() -> None:
+    reached = []
+    with pytest.raises(KeyboardInterrupt), hold_interrupts() as hold:
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the signal")  # not interrupted here ...
+        hold.deliver()  # ... but here
+        reached.append("after the safe point")
+    assert reached == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_signal_with_no_safe_point_comes_at_the_end_and_the_handler_is_restored() -> None:
+    reached = []
+    with pytest.raises(KeyboardInterrupt), hold_interrupts():
+        signal.raise_signal(signal.SIGINT)
+        reached.append("rest of the block")
+    assert reached == ["rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with hold_interrupts() as hold:  # nothing pending: safe points and exit do nothing
+        hold.deliver()
+
+
+def test_holds_nest_and_the_outer_one_delivers() -> None:
+    reached = []
+    with pytest.raises(KeyboardInterrupt), hold_interrupts() as outer:
+        with hold_interrupts():
+            signal.raise_signal(signal.SIGINT)
+        reached.append("inner block ended")  # handed to the outer hold, not raised
+        outer.deliver()
+        reached.append("after the outer safe point")
+    assert reached == ["inner block ended"]
+
+
+def test_a_custom_handler_is_called_at_the_safe_point_and_the_hold_goes_on() -> None:
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        with hold_interrupts() as hold:
+            signal.raise_signal(signal.SIGINT)
+            assert calls == []
+            hold.deliver()
+            assert calls == [signal.SIGINT]
+            signal.raise_signal(signal.SIGINT)  # still held after a handler that returned
+            assert calls == [signal.SIGINT]
+        assert calls == [signal.SIGINT, signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ignored_sigint_and_other_threads_are_left_alone() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with hold_interrupts():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    seen = []
+
+    def worker() -> None:
+        with hold_interrupts() as hold:  # signal.signal would raise off the main thread
+            hold.deliver()
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [signal.default_int_handler]

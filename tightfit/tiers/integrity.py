@@ -1,0 +1,45 @@
+"""Checksums of state bytes that leave RAM, and the error a mismatch raises.
+
+Every page written to the disk tier gets a checksum, verified when it is read back (and saved
+files may carry the same checksum per page). The checksum is 64-bit XXH3 (the ``xxhash``
+package): chosen by measured speed. On 8 MiB pages on the 2-core build machine it hashed at
+10-15 GiB/s from cache and ~7 GiB/s from RAM, as fast as a torch ``int64`` sum of the same
+bytes (which is order-blind and, run from the copy worker, competes with the update for torch's
+intra-op threads) and 12 x faster than ``zlib.crc32`` (1.2 GiB/s); it releases the GIL, so the
+copy worker hashes while the update runs (``docs/paging.md``, "Failure and integrity").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import xxhash
+
+ALGORITHM = "xxh3_64"  # the name saved alongside a checksum, so a file says how it was made
+
+
+class CorruptStateError(RuntimeError):
+    """State bytes read back from a slower tier (or a file) do not match their checksum, or
+    could not be written there: the state they hold is lost, and is never used."""
+
+
+def checksum(data: torch.Tensor) -> int:
+    """The :data:`ALGORITHM` checksum of a contiguous CPU uint8 tensor's bytes.
+
+    Raises:
+        ValueError: ``data`` is not a contiguous uint8 tensor in CPU memory.
+    """
+    if data.dtype != torch.uint8 or data.device.type != "cpu" or not data.is_contiguous():
+        raise ValueError(
+            f"checksum() takes the bytes of a page: a contiguous uint8 CPU tensor, not a "
+            f"{'non-contiguous ' if not data.is_contiguous() else ''}{data.dtype} tensor on "
+            f"{data.device}; pass buf.view(torch.uint8) of a CPU buffer"
+        )
+    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+
+
+@functools.cache
+def zeros_checksum(nbytes: int) -> int:
+    """The checksum of ``nbytes`` zero bytes (a page that was never written)."""
+    return xxhash.xxh3_64_intdigest(bytes(nbytes))

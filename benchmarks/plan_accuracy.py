@@ -18,7 +18,7 @@ from pathlib import Path
 from environment import cpu_model, load_text, versions_text
 
 from tightfit.checkpoint.plan import structural_segments
-from tightfit.planner.activations import plan_peak
+from tightfit.planner.peak import plan_peak
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.setup import TrainSetup
 from tightfit.planner.verify import compare

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tightfit.checkpoint.plan import structural_segments
-from tightfit.planner.activations import plan_peak
 from tightfit.planner.estimate import Overhead, estimate, nf4_constant_bytes, optimizer_state_bytes
+from tightfit.planner.peak import plan_peak
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.setup import TrainSetup
 from tightfit.planner.verify import compare, relative_error

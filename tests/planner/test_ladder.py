@@ -105,7 +105,7 @@ def test_budget_row_uses_the_room_left() -> None:
 def test_cli_json_and_errors(capsys) -> None:  # noqa: ANN001
     assert main(["plan", "--model", "mistral-7b", "--gpu", "24GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["model"]["kv_heads"] == 8 and len(out["rows"]) == 7
+    assert out["model"]["kv_heads"] == 8 and len(out["rows"]) == 10
     assert out["recommended"] in {r["name"] for r in out["rows"]}
     row = out["rows"][0]
     assert row["total_bytes"] == sum(row["pieces_bytes"].values())

@@ -10,9 +10,9 @@ import pytest
 
 from tightfit.checkpoint.plan import Segment, structural_segments
 from tightfit.optim.registry import OptimizerKind
-from tightfit.planner.activations import activation_peak, plan_peak
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.ladder import plan
+from tightfit.planner.peak import activation_peak, plan_peak
 from tightfit.planner.presets import PRESETS, ModelShape
 from tightfit.planner.setup import PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.planner.train_args import train_args

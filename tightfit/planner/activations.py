@@ -1,4 +1,4 @@
-"""Activation memory of a Llama-family decoder under a checkpoint plan.
+"""Activation memory of a Llama-family decoder, term by term (plans: :mod:`.peak`).
 
 The formulas count the tensors autograd saves for backward in a transformers Llama
 decoder layer (RMSNorm → q/k/v → rotary → SDPA → o → residual → RMSNorm → SwiGLU MLP →
@@ -25,14 +25,18 @@ The backward transients (gradients of the layer's intermediates in flight) are
 dequantized weight with its linear's gradients for 4-bit layers when that is larger;
 ``BWD_*`` were calibrated against :class:`~tightfit.measure.tracker.MemoryTracker` on small
 configurations (see ``tests/planner/test_estimate.py`` and docs/plan.md).
+
+Long context (``setup.mlp_tile``, ``setup.offload``): a tiled MLP
+(:mod:`tightfit.checkpoint.tiling`) saves only its input (T·h·d) and holds one tile's
+intermediates at a time in backward, so its terms use the tile's tokens instead of T; the
+attention's stay O(T·h) (SDPA keeps nothing T×T). Offloaded segments keep their bytes on the
+host; the device holds only the segments in flight (:func:`tightfit.planner.peak.plan_peak`). These terms are
+counted from the mechanisms' code, not fitted.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
-
-from tightfit.checkpoint.plan import Segment, parse_policy, structural_segments, uniform_segments
 
 if TYPE_CHECKING:
     from tightfit.planner.presets import ModelShape
@@ -45,47 +49,110 @@ BWD_H16 = 2.5
 
 # -- per-layer terms -----------------------------------------------------------------
 
+# adapter groups of a decoder layer: (targets, input width, needs its own copy when the
+# adapters share the compute dtype, part of the MLP)
+def _groups(shape: ModelShape) -> tuple[tuple[tuple[str, ...], int, bool, bool], ...]:
+    h, i, q = shape.hidden, shape.intermediate, shape.q_size
+    return (
+        (("q_proj", "k_proj", "v_proj"), h, True, False),
+        (("o_proj",), q, False, False),  # the SDPA output is already saved
+        (("gate_proj", "up_proj"), h, True, True),
+        (("down_proj",), i, True, True),
+    )
+
+
+def _adapter_input_bytes(setup: TrainSetup, names: tuple[str, ...], width: int,
+                         needs_copy: bool, tokens: int) -> int:
+    """What the adapters of one group save of their input, for ``tokens`` tokens."""
+    hit = [n for n in names if n in setup.lora_targets]
+    if not hit:
+        return 0
+    d, a = setup.d, setup.a
+    if setup.lora_dropout > 0:
+        # per adapter: the dropped input in the adapter dtype, the 1-byte keep-mask and a
+        # compute-dtype copy (a + 1 + d bytes per value; fitted on the CPU within ±4 %)
+        return len(hit) * tokens * width * (a + 1 + d)
+    if a != d:
+        return len(hit) * tokens * width * a
+    return tokens * width * d if needs_copy else 0
+
+
+def mlp_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
+    """What an (untiled) SwiGLU MLP with its adapters saves for ``tokens`` tokens."""
+    total = 3 * tokens * shape.intermediate * setup.d  # gate, up, silu(gate)
+    for names, width, needs_copy, mlp in _groups(shape):
+        if mlp:
+            total += _adapter_input_bytes(setup, names, width, needs_copy, tokens)
+            total += sum(tokens * setup.lora_r * setup.a for n in names if n in setup.lora_targets)
+    return total
+
 
 def layer_saved_bytes(shape: ModelShape, setup: TrainSetup, *, first: bool = False) -> int:
-    """Bytes one decoder layer saves for backward (see the module docstring)."""
+    """Bytes one decoder layer saves for backward (see the module docstring).
+
+    With a tiled MLP the MLP keeps only its input (T·h·d); its intermediates live one tile
+    at a time in backward (:func:`backward_transient_bytes`).
+    """
     t, d, a, r = setup.tokens, setup.d, setup.a, setup.lora_r
-    h, i = shape.hidden, shape.intermediate
+    h = shape.hidden
     q, kv = shape.q_size, shape.kv_size
-    targets = set(setup.lora_targets)
-    linears = shape.linear_shapes()
-    total = 0
     norms = 1 if first else 2
-    total += norms * (t * h * 4 + t * 4)
+    total = norms * (t * h * 4 + t * 4)
     # attention (SDPA flash / efficient): q, k, v, out, logsumexp
     total += t * (2 * q + 2 * kv) * d + setup.batch * shape.heads * setup.seq_len * 4
-    # SwiGLU: gate, up, silu(gate)
-    total += 3 * t * i * d
-    # adapter inputs: shared when adapters compute in the compute dtype, else cast copies
-    groups = (
-        (("q_proj", "k_proj", "v_proj"), h, True),
-        (("o_proj",), q, False),  # the SDPA output is already saved
-        (("gate_proj", "up_proj"), h, True),
-        (("down_proj",), i, True),
-    )
-    for names, width, needs_copy in groups:
-        hit = [n for n in names if n in targets]
-        if not hit:
-            continue
-        if setup.lora_dropout > 0:
-            # per adapter: the dropped input in the adapter dtype, the 1-byte keep-mask and a
-            # compute-dtype copy (a + 1 + d bytes per value; fitted on the CPU within ±4 %)
-            total += len(hit) * t * width * (a + 1 + d)
-        elif a != d:
-            total += len(hit) * t * width * a
-        elif needs_copy:
-            total += t * width * d
-    total += sum(t * r * a for n in targets if n in linears)
+    for names, width, needs_copy, mlp in _groups(shape):
+        if not mlp:
+            total += _adapter_input_bytes(setup, names, width, needs_copy, t)
+            total += sum(t * r * a for n in names if n in setup.lora_targets)
+    total += t * h * d if setup.mlp_tile is not None else mlp_saved_bytes(shape, setup, t)
     return total
 
 
 def layer_input_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """The hidden state between layers: what a checkpointed segment keeps."""
     return setup.tokens * shape.hidden * setup.d
+
+
+def _dequant_moment(shape: ModelShape, setup: TrainSetup) -> int:
+    """A quantized linear's backward: its dequantized weight beside its input and output
+    gradients (the MLP's see one tile's tokens when it is tiled)."""
+    if setup.quant not in ("nf4", "int8"):
+        return 0
+    d, tile = setup.d, setup.mlp_tile_tokens
+    moments = []
+    for name, (fi, fo) in shape.linear_shapes().items():
+        tokens = tile if name in ("gate_proj", "up_proj", "down_proj") else setup.tokens
+        moments.append(fi * fo * d + tokens * (fi + fo) * d)
+    return max(moments)
+
+
+def tiled_mlp_backward_bytes(shape: ModelShape, setup: TrainSetup, tile: int) -> int:
+    """A tiled MLP's backward moment (:mod:`tightfit.checkpoint.tiling`, counted, not fitted).
+
+    One tile recomputed with grad: its saved tensors, ``BWD_I`` · tile·i·d of gradients, the
+    adapters' r-wide ones and, in 16-bit compute, ``BWD_H16`` · tile·h·4 of fp32 gradients
+    — all per tile, since each tile runs its backward alone; beside them the MLP input's
+    full gradient (T·h·d) and the adapters' parameter gradients, summed over the tiles in
+    fp32 (an accumulator and one tile's, 2 × 4 bytes per MLP adapter parameter).
+    """
+    t, d, h = setup.tokens, setup.d, shape.hidden
+    one = (mlp_saved_bytes(shape, setup, tile) + BWD_I * tile * shape.intermediate * d
+           + 3 * tile * setup.lora_r * setup.a)
+    if d != 4:
+        one += BWD_H16 * tile * h * 4
+    linears = shape.linear_shapes()
+    params = sum(setup.lora_r * sum(linears[n]) for n in ("gate_proj", "up_proj", "down_proj")
+                 if n in setup.lora_targets)
+    return int(one + t * h * d + 2 * 4 * params)
+
+
+def attention_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """SDPA's backward moment: the gradients of q, k, v and the output and the kernels' fp32
+    query-gradient accumulator (T·(2q + 2kv)·d + T·q·4), plus the fp32 gradients of 16-bit
+    compute. Nothing T×T: the flash / memory-efficient kernels recompute the scores."""
+    t, d, q, kv = setup.tokens, setup.d, shape.q_size, shape.kv_size
+    h16 = BWD_H16 * t * shape.hidden * 4 if d != 4 else 0
+    return int(t * (2 * q + 2 * kv) * d + t * q * 4 + h16)
 
 
 def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -95,20 +162,23 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     the adapters' r-wide gradients. A 16-bit compute dtype adds ``BWD_H16`` · T·h·4 of fp32
     gradients (RMSNorm and the fp32 adapters compute their gradients in fp32). A 4-bit or
     8-bit layer dequantizes its weight for the input gradient, beside that linear's input
-    and output gradients; the larger of the two moments counts.
+    and output gradients; the larger of the moments counts.
+
+    With a tiled MLP the SwiGLU moment is one tile's (:func:`tiled_mlp_backward_bytes`) and
+    the attention's backward (:func:`attention_backward_bytes`) becomes a moment of its own.
+    Both are counted from the code (:mod:`tightfit.checkpoint.tiling`, SDPA), not fitted.
     """
     t, d = setup.tokens, setup.d
-    mlp = BWD_I * t * shape.intermediate * d + 3 * t * setup.lora_r * setup.a
-    if d != 4:
-        mlp += BWD_H16 * t * shape.hidden * 4
-    dequant = 0
-    if setup.quant in ("nf4", "int8"):
-        # a quantized linear's backward: its dequantized weight beside its input and output
-        # gradients (and the fp32 gradients of 16-bit compute)
-        dequant = max(fi * fo * d + t * (fi + fo) * d for fi, fo in shape.linear_shapes().values())
-        if d != 4:
-            dequant += BWD_H16 * t * shape.hidden * 4
-    return int(max(mlp, dequant))
+    h16 = BWD_H16 * t * shape.hidden * 4 if d != 4 else 0
+    if setup.mlp_tile is None:
+        moments = [BWD_I * t * shape.intermediate * d + 3 * t * setup.lora_r * setup.a + h16]
+    else:
+        moments = [tiled_mlp_backward_bytes(shape, setup, setup.mlp_tile_tokens),
+                   attention_backward_bytes(shape, setup)]
+    dequant = _dequant_moment(shape, setup)
+    if dequant:
+        moments.append(dequant + h16)
+    return int(max(moments))
 
 
 def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -150,122 +220,3 @@ def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin."""
     t = setup.tokens
     return t * shape.hidden * 4 + t * 4 + 2 * setup.seq_len * shape.head_dim * setup.d
-
-
-# -- the peak under a plan -----------------------------------------------------------
-
-
-def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...]) -> tuple[int, int]:
-    """``(layers, head)``: bytes of the decoder and of the head + loss at the step's peak.
-
-    The peak is the largest of (1) the start of backward — every stored segment's saved
-    tensors, every checkpointed segment's input, and the head + loss at its peak —, (2) the
-    final norm's backward right after, and (3) each segment's backward — the segments before
-    it, its own input, its recomputed saved tensors and the backward transients.
-
-    Args:
-        shape: The architecture.
-        setup: The pieces and the batch.
-        segments: The plan's segments (:class:`~tightfit.checkpoint.plan.Segment`), in
-            order over the layers, each ``"stored"`` or ``"checkpoint"``.
-
-    Raises:
-        ValueError: A ``"selective"`` segment (the planner does not model it).
-    """
-    if any(seg.kind == "selective" for seg in segments):
-        raise ValueError("selective checkpoint segments are not modelled by the planner; pass "
-                         "stored / checkpoint segments (policies none, every, sqrt, uniform:k, "
-                         "budget).")
-    a_first = layer_saved_bytes(shape, setup, first=True)
-    a_rest = layer_saved_bytes(shape, setup)
-    x = layer_input_bytes(shape, setup)
-    dup = setup.tokens * shape.hidden * 4 if setup.d == 4 else 0  # fp32: norm saves the input
-
-    def saved(start: int, stop: int) -> int:
-        if stop <= start:
-            return 0
-        return (a_first if start == 0 else a_rest) + a_rest * (stop - start - 1)
-
-    head = head_loss_bytes(shape, setup)
-    trans = backward_transient_bytes(shape, setup)
-    kept = [x if seg.kind == "checkpoint" else saved(seg.start, seg.stop) for seg in segments]
-    start_of_backward = sum(kept) + final_norm_bytes(shape, setup)
-    extra = quantized_backward_extra_bytes(shape, setup)
-    best_layers, best_head = start_of_backward, head
-    # the final RMSNorm's backward, once the head is done: the hidden-state gradient and
-    # two fp32 gradients of the norm (visible when a chunked head keeps the head small)
-    t, h = setup.tokens, shape.hidden
-    norm_backward = start_of_backward + extra + t * h * setup.d + 2 * t * h * 4
-    if norm_backward > best_layers + best_head:
-        best_layers, best_head = norm_backward, 0
-    for j, seg in enumerate(segments):
-        s, e, ck = seg.start, seg.stop, seg.kind == "checkpoint"
-        before = sum(kept[:j]) + extra
-        own = saved(s, e) - (dup if ck and s > 0 else 0)
-        if ck and setup.d != 4:
-            own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive
-        layers = before + (x if ck else 0) + own + trans + x
-        if layers > best_layers + best_head:
-            best_layers, best_head = layers, 0
-    return best_layers, best_head
-
-
-def recompute_fraction(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...]) -> float:
-    """Recomputed forward time ÷ step time without checkpointing (frozen base, LoRA).
-
-    With a frozen base, backward computes input gradients only, so it costs about one
-    forward: a step is ≈ 2 forwards and recomputing every layer adds ≈ 50 %. Layer cost is
-    taken as proportional to its weights' matmul work; the head's is ``V·h`` per token.
-    """
-    layer = sum(fi * fo for fi, fo in shape.linear_shapes().values())
-    head = shape.vocab * shape.hidden
-    recomputed = sum(len(seg) for seg in segments if seg.kind == "checkpoint") * layer
-    if setup.loss_chunk_tokens is not None:
-        recomputed += head
-    return recomputed / (2 * (shape.layers * layer + head))
-
-
-def budget_segments(shape: ModelShape, setup: TrainSetup, budget: int) -> tuple[Segment, ...] | None:
-    """The least-recompute plan whose predicted activation peak fits ``budget``.
-
-    Layers of one architecture are equal, so a plan is characterized by how many layers
-    stay stored (kept first, no recompute) and how long the checkpointed segments are;
-    enumerate both (O(L²)) and keep the fitting plan with the most stored layers, ties
-    going to the lower peak. ``None`` when not even every-layer checkpointing fits.
-    """
-    n = shape.layers
-    best: tuple[int, int, tuple[Segment, ...]] | None = None
-    for k in range(1, n + 1):
-        for stored in range(n, -1, -1):
-            rest = n - stored
-            segs = [Segment(0, stored, "stored")] if stored else []
-            if rest:
-                segs += [Segment(stored + c.start, stored + c.stop, "checkpoint")
-                         for c in uniform_segments(rest, math.ceil(rest / k))]
-            layers, head = plan_peak(shape, setup, tuple(segs))
-            peak = layers + head
-            if peak <= budget:
-                key = (-stored, peak)
-                if best is None or key < best[:2]:
-                    best = (-stored, peak, tuple(segs))
-                break  # fewer stored layers only adds recompute
-    return None if best is None else best[2]
-
-
-def activation_peak(
-    shape: ModelShape, setup: TrainSetup
-) -> tuple[int, int, tuple[Segment, ...], float]:
-    """``(layers, head, segments, recompute_fraction)`` for ``setup.checkpoint``.
-
-    A ``budget`` plan that cannot fit falls back to every-layer checkpointing (the
-    smallest plan), whose peak then exceeds the budget: callers compare against it.
-    """
-    name, k = parse_policy(setup.checkpoint)
-    if name == "budget":
-        segments = budget_segments(shape, setup, int(setup.checkpoint_budget or 0))
-        if segments is None:
-            segments = structural_segments("every", None, shape.layers)
-    else:
-        segments = structural_segments(name, k, shape.layers)
-    layers, head = plan_peak(shape, setup, segments)
-    return layers, head, segments, recompute_fraction(shape, setup, segments)

@@ -5,9 +5,19 @@ Examples::
     tightfit plan --model llama-2-7b --gpu 24GiB --seq-len 2048
     tightfit plan --model path/to/config.json --gpu 80GB --batch 4 --json
     tightfit plan --model tiny.json --gpu 256MiB --seq-len 128 --verify
+    tightfit plan --model llama-3.1-8b --gpu 24GiB --lora-r 32 --max-seq --host-ram 128GiB
 
 ``--verify`` (small configs only) runs one real step of every configuration on this
-machine and prints predicted vs measured bytes per piece.
+machine and prints predicted vs measured bytes per piece. ``--max-seq`` (``--max-batch``)
+answers "how long can my sequences be": each configuration at the longest sequence (largest
+batch) that fits the device and the host.
+
+Reading the table: one row per configuration, its device bytes piece by piece (``total``
+is what must fit ``--gpu``) and ``host``, what it keeps in pinned host memory (offloaded
+layer inputs + paged optimizer state; must fit ``--pinned-fraction`` of ``--host-ram``).
+``fits``: yes, NO (device) or HOST (the device fits, the host does not). With ``--max-seq``
+the first column is each row's longest sequence and its pieces are at that length; the note
+line under the table says what binds (device, host, or the model's position limit).
 """
 
 from __future__ import annotations
@@ -47,9 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slack", type=float, default=0.05,
                         help="allocator slack as a fraction of tensor bytes (default: 0.05)")
     parser.add_argument("--gpu-tflops", type=float, default=100.0,
-                        help="effective TFLOP/s, for the paging slowdown estimate (default: 100)")
+                        help="effective TFLOP/s, for the slowdown estimate (default: 100)")
     parser.add_argument("--link-gbps", type=float, default=20.0,
-                        help="host<->device GB/s, for the paging slowdown estimate (default: 20)")
+                        help="host<->device GB/s, for the paging and offload slowdown estimate "
+                        "(default: 20)")
+    parser.add_argument("--host-ram", default=None, metavar="SIZE",
+                        help="host RAM offloaded activations and optimizer pages are checked "
+                        "against (default: this machine's RAM)")
+    parser.add_argument("--pinned-fraction", type=float, default=0.5,
+                        help="part of --host-ram that may be pinned for them (default: 0.5)")
+    most = parser.add_mutually_exclusive_group()
+    most.add_argument("--max-seq", action="store_true",
+                      help="for each configuration, the longest sequence (at --batch) that fits "
+                      "the GPU and the host, capped by the model's position limit")
+    most.add_argument("--max-batch", action="store_true",
+                      help="for each configuration, the largest batch (at --seq-len) that fits")
+    parser.add_argument("--granularity", type=int, default=1,
+                        help="with --max-seq/--max-batch: search to a multiple of this many "
+                        "tokens/sequences (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verify", action="store_true",
                         help="small configs only: run one real step of each configuration on "
@@ -74,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.gpu, seq_len=args.seq_len, batch=args.batch, lora_r=args.lora_r,
         lora_targets=_targets(args.lora_targets), compute_dtype=args.dtype,
         overhead=args.overhead, slack=args.slack, gpu_tflops=args.gpu_tflops,
-        link_gbps=args.link_gbps,
+        link_gbps=args.link_gbps, host_ram=args.host_ram, pinned_fraction=args.pinned_fraction,
+        maximize="seq" if args.max_seq else "batch" if args.max_batch else None,
+        granularity=args.granularity,
     )
     if args.verify and report.shape.num_params() > _VERIFY_MAX_PARAMS:
         raise ValueError(

@@ -155,7 +155,9 @@ class Estimate:
     ``activations`` is the decoder layers' share of the forward + backward peak and
     ``logits_loss`` the LM head + loss share at that same moment; their sum is the
     activation peak. ``optimizer`` is what stays on the device; ``optimizer_offloaded``
-    what a paged optimizer keeps on the host (and moves twice per step).
+    what a paged optimizer keeps on the host (and moves twice per step);
+    ``host_activations`` what offloaded segments keep on the host (moved twice per step).
+    ``total`` is the device's bytes, ``host`` the host's.
     """
 
     shape: ModelShape
@@ -171,6 +173,7 @@ class Estimate:
     overhead: int
     segments: tuple[Segment, ...] = field(default=())
     recompute_fraction: float = 0.0
+    host_activations: int = 0
 
     PIECES = ("weights", "constants", "lora", "grads", "optimizer", "activations",
               "logits_loss", "overhead")
@@ -182,6 +185,16 @@ class Estimate:
     @property
     def total(self) -> int:
         return sum(getattr(self, p) for p in self.PIECES)
+
+    @property
+    def host(self) -> int:
+        """Host bytes of the step: offloaded activations + the optimizer's host pages."""
+        return self.host_activations + self.optimizer_offloaded
+
+    @property
+    def fits_host(self) -> bool:
+        """``host`` within ``setup.host_budget`` (always, without a budget)."""
+        return self.setup.host_budget is None or self.host <= self.setup.host_budget
 
     def pieces(self) -> dict[str, int]:
         return {p: getattr(self, p) for p in self.PIECES}
@@ -199,9 +212,17 @@ def estimate(
 
     Returns:
         The per-piece :class:`Estimate`.
-    """
-    from tightfit.planner.activations import activation_peak
 
+    Raises:
+        ValueError: ``setup.seq_len`` is longer than ``shape.max_positions``.
+    """
+    from tightfit.planner.peak import activation_peak, offloaded_bytes
+
+    if setup.seq_len > shape.max_positions:
+        raise ValueError(
+            f"seq_len {setup.seq_len} is longer than {shape.name} supports "
+            f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
+        )
     overhead = overhead or Overhead()
     weights, constants = base_weight_bytes(shape, setup)
     n_lora, _ = lora_param_count(shape, setup)
@@ -227,4 +248,5 @@ def estimate(
         overhead=overhead.bytes_for(tensors),
         segments=segments,
         recompute_fraction=recompute,
+        host_activations=offloaded_bytes(shape, setup, segments),
     )

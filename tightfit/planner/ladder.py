@@ -3,79 +3,129 @@
 :func:`plan` takes an architecture (preset or ``config.json``), a device size and a batch,
 and evaluates a ladder of configurations from plain bf16 LoRA to the full tightfit stack
 (NF4 + double quantization, a budget checkpoint plan, the chunked LM head + loss, a paged
-8-bit optimizer). Each gets the memory model's bytes per piece, whether it fits with the
-overhead margin, and an estimated slowdown; the fastest that fits is recommended, with the
-``tightfit train`` options that select it.
-
-The slowdown is an estimate, not a measurement: recompute is counted from the plan (a
-frozen-base LoRA step costs ≈ 2 forwards, so recomputing every layer adds ≈ 50 %), NF4/int8
-matmuls cost ``QUANT_SLOWDOWN`` × the 16-bit ones, and paging moves the host-resident
-optimizer state twice per step over a ``link_gbps`` link against a step whose compute
-time is its FLOPs at ``gpu_tflops``.
+8-bit optimizer) and the long-context ones (every layer recomputed with its input offloaded
+to the host, a tiled MLP). Each gets the memory model's bytes per piece on the device, its
+bytes on the host, whether both fit (the device with the overhead margin, the host within
+its pinned budget), and an estimated slowdown (:mod:`tightfit.planner.speed`); the fastest
+that fits is recommended, with the ``tightfit train`` options that select it. With
+``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
+largest batch that fits (:mod:`tightfit.planner.longctx`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
-from tightfit.planner.estimate import Estimate, Overhead, estimate
+from tightfit.planner.estimate import Overhead, estimate
+from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
+from tightfit.planner.longctx import MAX_BATCH, maximize_row
 from tightfit.planner.presets import ModelShape, load_shape
 from tightfit.planner.setup import TrainSetup
+from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
 
-# Assumed cost ratios (see module doc); stated in every printed plan.
-QUANT_SLOWDOWN = {"none": 1.0, "nf4": 1.15, "int8": 1.3}
-DEFAULT_LINK_GBPS = 20.0  # host <-> device, PCIe 4.0 x16 in practice
-DEFAULT_GPU_TFLOPS = 100.0  # effective bf16 matmul throughput of a training step
 PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
+# Smallest MLP tile the ladder plans: below it a tile's matmuls (tile × hidden × intermediate)
+# get too small to keep a GPU busy (an assumption, like QUANT_SLOWDOWN).
+MIN_MLP_TILE = 1024
+Maximize = Literal["seq", "batch"]
 
 
-def _flops_per_step(shape: ModelShape, setup: TrainSetup) -> float:
-    """Matmul FLOPs of one frozen-base LoRA step (forward + input-gradient backward)."""
-    layer = sum(fi * fo for fi, fo in shape.linear_shapes().values())
-    weights = shape.layers * layer + shape.vocab * shape.hidden
-    attn = 4 * setup.seq_len * shape.q_size * shape.layers  # QK^T and PV, per token
-    return 2 * 2 * setup.tokens * (weights + attn)
+@dataclass(frozen=True)
+class Rung:
+    """One configuration of the ladder before it is sized for a step.
+
+    Attributes:
+        name: What the table calls it.
+        setup: Its pieces (the budgets, loss chunk and MLP tile are sized per step).
+        chunked: It runs the chunked LM head + loss.
+        tiled: It runs the MLP in tiles.
+    """
+
+    name: str
+    setup: TrainSetup
+    chunked: bool = False
+    tiled: bool = False
 
 
-def slowdown(shape: ModelShape, est: Estimate, *, gpu_tflops: float = DEFAULT_GPU_TFLOPS,
-             link_gbps: float = DEFAULT_LINK_GBPS) -> tuple[float, int]:
-    """``(step time ÷ plain bf16 LoRA step time, paging bytes per step)`` — an estimate."""
-    setup = est.setup
-    compute = QUANT_SLOWDOWN[setup.quant] * (1.0 + est.recompute_fraction)
-    paging = 2 * est.optimizer_offloaded
-    step_s = _flops_per_step(shape, setup) / (gpu_tflops * 1e12)
-    return compute + (paging / (link_gbps * 1e9)) / step_s, paging
+@dataclass(frozen=True)
+class Sizing:
+    """What every configuration is sized against: the device, its margin, the host, and the
+    speed model's throughputs."""
+
+    shape: ModelShape
+    gpu_bytes: int
+    overhead: Overhead
+    host: HostLimit
+    gpu_tflops: float = DEFAULT_GPU_TFLOPS
+    link_gbps: float = DEFAULT_LINK_GBPS
 
 
-def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup) -> int:
-    """Tokens per loss chunk, by the rule ``tightfit.loss`` uses for ``--loss-chunks auto``."""
+def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = False) -> int:
+    """Tokens per loss chunk, by the rule ``tightfit.loss`` uses for ``--loss-chunks auto``.
+
+    ``monotone``: the rule's largest chunk (its 256 MiB cap), not evened out over the
+    chunks, so that bytes never fall as the step grows (what the searches of
+    :mod:`tightfit.planner.longctx` need); at long sequences the two differ by the evening.
+    """
+    from tightfit.loss.sizing import DEFAULT_MAX_CHUNK_BYTES
     from tightfit.loss.sizing import auto_chunk_tokens as _auto
 
-    return _auto(shape.vocab, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype))
+    dtype = torch_dtype(setup.compute_dtype)
+    budget = DEFAULT_MAX_CHUNK_BYTES if monotone else None
+    return _auto(shape.vocab, setup.seq_len, setup.batch, dtype, budget)
 
 
-def _ladder(base: TrainSetup, shape: ModelShape) -> list[tuple[str, TrainSetup]]:
+def planned_mlp_tile(shape: ModelShape, setup: TrainSetup) -> int:
+    """Tokens per MLP tile: :mod:`tightfit.checkpoint.tiling`'s ``"auto"`` tile (``hidden``
+    tokens), halved while one tile's backward still outweighs the attention's (a smaller
+    tile then lowers the layer's peak), but not below ``MIN_MLP_TILE`` tokens."""
+    from tightfit.planner.activations import attention_backward_bytes, tiled_mlp_backward_bytes
+
+    try:
+        from tightfit.checkpoint.tiling import auto_tile_tokens
+    except ImportError:  # a checkout without the tiled MLP: plan with its rule all the same
+        tile = max(1, min(shape.hidden, setup.tokens))
+    else:
+        tile = auto_tile_tokens(shape.hidden, setup.tokens)
+    attention = attention_backward_bytes(shape, setup)
+    while (tile // 2 >= MIN_MLP_TILE
+           and tiled_mlp_backward_bytes(shape, setup, tile) > attention):
+        tile //= 2
+    return tile
+
+
+def ladder(base: TrainSetup) -> tuple[Rung, ...]:
+    """The configurations :func:`plan` compares, cheapest in memory last of each family."""
     bf16 = base.with_(quant="none", double_quant=False, checkpoint="none",
-                      optimizer="adamw", loss_chunk_tokens=None)
+                      optimizer="adamw", loss_chunk_tokens=None, offload="none", mlp_tile=None)
     nf4 = bf16.with_(quant="nf4", double_quant=False)
     qlora = nf4.with_(double_quant=True)
-    chunk = auto_chunk_tokens(shape, base)
-    return [
-        ("bf16 LoRA", bf16),
-        ("bf16 LoRA + ckpt every", bf16.with_(checkpoint="every")),
-        ("NF4 LoRA", nf4),
-        ("NF4+DQ LoRA (QLoRA)", qlora),
-        ("QLoRA + ckpt every", qlora.with_(checkpoint="every")),
-        ("QLoRA + ckpt budget + chunked loss",
-         qlora.with_(checkpoint="budget", checkpoint_budget=1, loss_chunk_tokens=chunk)),
-        ("full stack (+ paged AdamW 8-bit)",
-         qlora.with_(checkpoint="budget", checkpoint_budget=1, loss_chunk_tokens=chunk, optimizer="paged_adamw8bit")),
-    ]
+    budget = qlora.with_(checkpoint="budget", checkpoint_budget=1)
+    every_off = qlora.with_(checkpoint="every", offload="inputs")
+    return (
+        Rung("bf16 LoRA", bf16),
+        Rung("bf16 LoRA + ckpt every", bf16.with_(checkpoint="every")),
+        Rung("NF4 LoRA", nf4),
+        Rung("NF4+DQ LoRA (QLoRA)", qlora),
+        Rung("QLoRA + ckpt every", qlora.with_(checkpoint="every")),
+        Rung("QLoRA + ckpt budget + chunked loss", budget, chunked=True),
+        Rung("full stack (+ paged AdamW 8-bit)", budget.with_(optimizer="paged_adamw8bit"),
+             chunked=True),
+        # long context: Unsloth's recipe (every layer recomputed, its input on the host)
+        Rung("QLoRA + every + offload + chunked loss", every_off, chunked=True),
+        Rung("QLoRA + every + offload + chunked + tiled MLP", every_off, chunked=True,
+             tiled=True),
+        Rung("long-context stack (+ paged AdamW 8-bit)",
+             budget.with_(offload="inputs", optimizer="paged_adamw8bit"), chunked=True,
+             tiled=True),
+    )
 
 
 def _room(gpu: int, overhead: Overhead) -> int:
@@ -109,6 +159,29 @@ def _fit_budgets(shape: ModelShape, setup: TrainSetup, gpu: int, overhead: Overh
     return setup
 
 
+def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
+          monotone: bool = False) -> TrainSetup:
+    """``rung``'s setup for steps of ``batch`` × ``seq_len``: loss chunk, MLP tile, host
+    budget, and the checkpoint / optimizer budgets of the room the device leaves."""
+    shape = sizing.shape
+    setup = rung.setup.with_(seq_len=seq_len, batch=batch, host_budget=sizing.host.budget)
+    if rung.chunked:
+        setup = setup.with_(loss_chunk_tokens=auto_chunk_tokens(shape, setup, monotone=monotone))
+    if rung.tiled:
+        setup = setup.with_(mlp_tile=planned_mlp_tile(shape, setup))
+    return _fit_budgets(shape, setup, sizing.gpu_bytes, sizing.overhead)
+
+
+def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:
+    """The table's row of ``rung`` sized as ``setup``."""
+    shape = sizing.shape
+    est = estimate(shape, setup, sizing.overhead)
+    slow, paging = slowdown(shape, est, gpu_tflops=sizing.gpu_tflops, link_gbps=sizing.link_gbps)
+    fits_device = est.total <= sizing.gpu_bytes
+    return Row(rung.name, setup, est, fits_device and est.fits_host, slow, paging,
+               train_args(setup), fits_device=fits_device, fits_host=est.fits_host)
+
+
 def plan(
     model: str | Path | ModelShape | dict,
     gpu: str | int = "24GiB",
@@ -122,6 +195,10 @@ def plan(
     slack: float = 0.05,
     gpu_tflops: float = DEFAULT_GPU_TFLOPS,
     link_gbps: float = DEFAULT_LINK_GBPS,
+    host_ram: str | int | None = None,
+    pinned_fraction: float = PINNED_FRACTION,
+    maximize: Maximize | None = None,
+    granularity: int = 1,
 ) -> PlanReport:
     """Predict whether fine-tuning ``model`` fits on a ``gpu``-sized device, and how.
 
@@ -129,24 +206,76 @@ def plan(
         model: A preset name (``"llama-2-7b"``, see ``PRESETS``), a path to an HF
             ``config.json`` (or its folder), a config dict or a :class:`ModelShape`.
         gpu: Device memory, e.g. ``"24GiB"``, ``"80GB"`` or bytes.
-        seq_len: Tokens per sequence.
-        batch: Sequences per step.
+        seq_len: Tokens per sequence (with ``maximize="seq"``: unused, it is searched).
+        batch: Sequences per step (with ``maximize="batch"``: unused, it is searched).
         lora_r: LoRA rank.
         lora_targets: Linear layers that get adapters (default: all seven).
         compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or ``"bf16"``,
             ``"fp16"``, ``"fp32"``).
         overhead: Fixed device memory that is not tensors (CUDA context, workspaces).
         slack: Allocator slack, a fraction of the tensor bytes.
-        gpu_tflops: Effective matmul throughput, for the paging slowdown estimate.
-        link_gbps: Host↔device bandwidth in GB/s, for the paging slowdown estimate.
+        gpu_tflops: Effective matmul throughput, for the slowdown estimate.
+        link_gbps: Host↔device bandwidth in GB/s, for the paging and offload estimate.
+        host_ram: Host RAM (e.g. ``"128GiB"``); ``None``: this machine's.
+        pinned_fraction: Part of ``host_ram`` offloaded activations and optimizer pages may
+            pin (:mod:`tightfit.planner.host`).
+        maximize: ``"seq"``: each row at the longest sequence that fits (device and host),
+            capped by the model's position limit; ``"batch"``: at the largest batch.
+        granularity: The maximum is a multiple of this many tokens (sequences).
 
     Returns:
         A :class:`PlanReport`; ``str(report)`` is the table ``tightfit plan`` prints.
 
     Raises:
-        ValueError: Unknown preset, malformed config, nonsense sizes or options.
+        ValueError: Unknown preset, malformed config, nonsense sizes or options, a
+            ``seq_len`` beyond the model's ``max_position_embeddings``.
     """
     shape = load_shape(model)
+    sizing = _sizing(shape, gpu, overhead, slack, gpu_tflops, link_gbps, host_ram,
+                     pinned_fraction)
+    if maximize not in (None, "seq", "batch"):
+        raise ValueError(f"maximize must be 'seq', 'batch' or None, got {maximize!r}.")
+    for name, v in (("seq_len", seq_len), ("batch", batch), ("granularity", granularity)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if maximize != "seq" and seq_len > shape.max_positions:
+        raise ValueError(
+            f"seq_len {seq_len} is longer than {shape.name} supports "
+            f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
+        )
+    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch=batch, lora_r=lora_r,
+                      compute_dtype=compute_dtype,
+                      **({"lora_targets": tuple(lora_targets)} if lora_targets else {}))
+    rungs = ladder(base)
+    if maximize is not None:
+        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, batch, granularity)
+                     for r in rungs)
+        fitting = [r for r in rows if r.maximum]
+        best = (max(fitting, key=lambda r: (r.maximum, -r.slowdown, -r.estimate.total))
+                if fitting else None)
+    else:
+        rows = tuple(evaluate(r, sizing, sized(r, sizing, seq_len, batch)) for r in rungs)
+        fitting = [r for r in rows if r.fits]
+        best = min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None
+    return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
+                      _notes(sizing, maximize, granularity), host=sizing.host,
+                      maximize=maximize, granularity=granularity)
+
+
+def _maximized(rung: Rung, sizing: Sizing, maximize: Maximize, seq_len: int, batch: int,
+               granularity: int) -> Row:
+    """``rung`` at the longest sequence (at ``batch``) / largest batch (at ``seq_len``)."""
+    def row_at(n: int) -> Row:
+        s, b = (n, batch) if maximize == "seq" else (seq_len, n)
+        return evaluate(rung, sizing, sized(rung, sizing, s, b, monotone=True))
+
+    cap = sizing.shape.max_positions if maximize == "seq" else MAX_BATCH
+    return maximize_row(row_at, cap=cap, granularity=granularity, what=maximize)
+
+
+def _sizing(shape: ModelShape, gpu: str | int, overhead: str | int, slack: float,
+            gpu_tflops: float, link_gbps: float, host_ram: str | int | None,
+            pinned_fraction: float) -> Sizing:
     gpu_bytes = parse_bytes(gpu, what="gpu")
     if gpu_bytes < 2**20:
         raise ValueError(
@@ -154,31 +283,28 @@ def plan(
             "bytes, so write the unit, e.g. '24GiB'."
         )
     fixed = 0 if overhead in (0, "0") else parse_bytes(overhead, what="overhead")
-    margin = Overhead(fixed_bytes=fixed, fraction=slack)
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}.")
-    if seq_len > shape.max_positions:
-        raise ValueError(
-            f"seq_len {seq_len} is longer than {shape.name} supports "
-            f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
-        )
     if gpu_tflops <= 0 or link_gbps <= 0:
         raise ValueError("gpu_tflops and link_gbps must be positive.")
-    base = TrainSetup(seq_len=seq_len, batch=batch, lora_r=lora_r, compute_dtype=compute_dtype,
-                      **({"lora_targets": tuple(lora_targets)} if lora_targets else {}))
-    rows: list[Row] = []
-    for name, setup in _ladder(base, shape):
-        setup = _fit_budgets(shape, setup, gpu_bytes, margin)
-        est = estimate(shape, setup, margin)
-        slow, paging = slowdown(shape, est, gpu_tflops=gpu_tflops, link_gbps=link_gbps)
-        rows.append(Row(name, setup, est, est.total <= gpu_bytes, slow, paging,
-                        train_args(setup)))
-    fitting = [r for r in rows if r.fits]
-    best = min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None
-    notes = (
+    return Sizing(shape, gpu_bytes, Overhead(fixed_bytes=fixed, fraction=slack),
+                  host_limit(host_ram, pinned_fraction), gpu_tflops, link_gbps)
+
+
+def _notes(sizing: Sizing, maximize: Maximize | None, granularity: int) -> tuple[str, ...]:
+    margin = sizing.overhead
+    notes = [
         f"slowdown: estimated, relative to bf16 LoRA without checkpointing; NF4 matmuls x"
         f"{QUANT_SLOWDOWN['nf4']}, recompute from the plan (a frozen-base step = 2 forwards), "
-        f"paging over {link_gbps:g} GB/s against {gpu_tflops:g} TFLOP/s of compute",
-        f"overhead: {format_bytes(margin.fixed_bytes)} fixed + {100 * slack:g}% allocator slack",
-    )
-    return PlanReport(shape, gpu_bytes, margin, tuple(rows), best, notes)
+        f"paging and offload over {sizing.link_gbps:g} GB/s against {sizing.gpu_tflops:g} "
+        "TFLOP/s of compute (offload counts only what the compute beside it does not hide)",
+        f"overhead: {format_bytes(margin.fixed_bytes)} fixed + {100 * margin.fraction:g}% "
+        "allocator slack",
+        sizing.host.describe(),
+    ]
+    if maximize is not None:
+        what = "sequence" if maximize == "seq" else "batch"
+        unit = "tokens" if maximize == "seq" else "sequences"
+        notes.append(f"max {maximize}: the longest {what} each configuration fits (device and "
+                     f"host), searched to {granularity} {unit}; its pieces are at that size"
+                     + ("; capped by the model's max_position_embeddings"
+                        f"={sizing.shape.max_positions}" if maximize == "seq" else ""))
+    return tuple(notes)

@@ -114,6 +114,7 @@ PRESETS: dict[str, ModelShape] = {
         _p("llama-3-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=8192),
         _p("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256, max_positions=131072),
         _p("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=131072),
+        _p("llama-3.3-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=131072),
         _p("mistral-7b", 4096, 14336, 32, 32, 8, 32000, max_positions=32768),
         _p("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151936, tie_embeddings=True, qkv_bias=True,
            max_positions=32768),

@@ -17,6 +17,14 @@ if TYPE_CHECKING:
     from tightfit.optim.registry import OptimizerKind
 
 QuantName = Literal["none", "int8", "nf4"]
+# Where saved activations wait for backward: on the device ("none"), checkpointed segments'
+# inputs on the host ("inputs"), and also stored segments' saved tensors there ("all").
+OffloadName = Literal["none", "inputs", "all"]
+OFFLOADS: tuple[OffloadName, ...] = ("none", "inputs", "all")
+# Segment kinds (tightfit.checkpoint.plan's names) by what they do: recomputed in backward;
+# bytes waiting on the next tier (pinned host memory on CUDA) until their backward.
+RECOMPUTED: tuple[str, ...] = ("checkpoint", "checkpoint_offload")
+OFFLOADED: tuple[str, ...] = ("checkpoint_offload", "stored_offload")
 # The registry kinds whose state the memory model counts: torch's AdamW, the paged AdamW and
 # the paged 8-bit AdamW (bitsandbytes' blockwise layout). Lion, SGD, ... are not modelled.
 PLANNED_OPTIMIZERS: tuple[OptimizerKind, ...] = ("adamw", "paged_adamw", "paged_adamw8bit")
@@ -57,6 +65,14 @@ class TrainSetup:
             unchunked HF loss).
         keep_logits: The caller keeps the model output (and so the logits) alive through
             backward, as ``out = model(...); out.loss.backward()`` does.
+        offload: ``"inputs"``: each checkpointed segment's input is copied to (pinned) host
+            memory in forward and brought back one segment ahead of its backward, so the
+            device holds only the segments in flight; ``"all"``: stored segments' saved
+            tensors go to the host too (brought back one layer ahead); ``"none"``.
+        mlp_tile: Tokens per tile of the tiled MLP (:mod:`tightfit.checkpoint.tiling`, tiles
+            along the flattened batch × seq tokens); ``None``: the MLP is not tiled.
+        host_budget: Host bytes the step may use for offloaded activations and the paged
+            optimizer's host pages (``None``: not checked).
     """
 
     seq_len: int = 2048
@@ -75,6 +91,9 @@ class TrainSetup:
     optimizer_device_budget: int | None = None
     loss_chunk_tokens: int | None = None
     keep_logits: bool = False
+    offload: OffloadName = "none"
+    mlp_tile: int | None = None
+    host_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch", "lora_r", "blocksize"):
@@ -107,6 +126,19 @@ class TrainSetup:
                              "none, every, sqrt, uniform:k or budget.")
         if self.checkpoint == "budget" and (self.checkpoint_budget or 0) <= 0:
             raise ValueError("checkpoint='budget' needs checkpoint_budget=<bytes> > 0.")
+        self._check_long_context()
+
+    def _check_long_context(self) -> None:
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}.")
+        if self.offload == "inputs" and self.checkpoint == "none":
+            raise ValueError("offload='inputs' moves checkpointed segments' inputs to the host, "
+                             "and checkpoint='none' has none; choose a checkpoint policy (e.g. "
+                             "'every') or offload='all' (stored segments' saved tensors).")
+        for name in ("mlp_tile", "host_budget"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}.")
 
     @property
     def tokens(self) -> int:
@@ -121,6 +153,11 @@ class TrainSetup:
     def a(self) -> int:
         """Bytes per element of the adapters."""
         return DTYPE_BYTES[self.adapter_dtype]
+
+    @property
+    def mlp_tile_tokens(self) -> int:
+        """Tokens in one MLP tile (all the step's tokens when the MLP is not tiled)."""
+        return self.tokens if self.mlp_tile is None else min(self.mlp_tile, self.tokens)
 
     @property
     def paged(self) -> bool:

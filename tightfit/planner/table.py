@@ -1,5 +1,5 @@
 """The ladder's answer (:class:`PlanReport`, one :class:`Row` per configuration) and the table
-``tightfit plan`` prints of it."""
+``tightfit plan`` prints of it (text or ``--json``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,21 @@ from typing import Any
 
 from tightfit.measure.sizes import format_bytes
 from tightfit.planner.estimate import Estimate, Overhead
+from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.setup import RECOMPUTED, TrainSetup
+from tightfit.planner.train_args import missing_train_options
 
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration of the plan."""
+    """One configuration of the plan.
+
+    ``fits`` is ``fits_device and fits_host``. Under ``maximize``, ``maximum`` is the longest
+    sequence (largest batch) that fits, 0 when not even the smallest does, and the row's
+    figures are at that size; ``limit`` says what stops it: ``"device"``, ``"host"``,
+    ``"positions"`` (the model's position limit) or ``"nothing fits"``.
+    """
 
     name: str
     setup: TrainSetup
@@ -24,24 +32,36 @@ class Row:
     slowdown: float
     paging_bytes_per_step: int
     train_args: tuple[str, ...]
+    fits_device: bool = True
+    fits_host: bool = True
+    maximum: int | None = None
+    limit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
         return {
             "name": self.name,
             "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
             "total_bytes": e.total,
             "pieces_bytes": e.pieces(),
+            "host_bytes": e.host,
+            "host_activation_bytes": e.host_activations,
             "optimizer_offloaded_bytes": e.optimizer_offloaded,
             "paging_bytes_per_step": self.paging_bytes_per_step,
             "slowdown": round(self.slowdown, 3),
             "recompute_fraction": round(e.recompute_fraction, 4),
             # [start, stop, checkpointed] per segment (docs/plan.md)
-            "checkpoint_segments": [[s.start, s.stop, s.kind == "checkpoint"]
+            "checkpoint_segments": [[s.start, s.stop, s.kind in RECOMPUTED]
                                     for s in e.segments],
+            # [start, stop, kind] per segment, kinds as tightfit.checkpoint.plan names them
+            "segments": [[s.start, s.stop, s.kind] for s in e.segments],
             "setup": {k: (list(v) if isinstance(v, tuple) else v)
                       for k, v in vars(self.setup).items()},
             "train_args": list(self.train_args),
+            "maximum": self.maximum,
+            "limit": self.limit,
         }
 
 
@@ -55,14 +75,23 @@ class PlanReport:
     rows: tuple[Row, ...]
     recommended: Row | None
     notes: tuple[str, ...] = field(default=())
+    host: HostLimit | None = None
+    maximize: str | None = None
+    granularity: int = 1
 
     def to_dict(self) -> dict[str, Any]:
+        host = self.host
         return {
             "model": vars(self.shape),
             "params": self.shape.num_params(),
             "gpu_bytes": self.gpu_bytes,
             "overhead": {"fixed_bytes": self.overhead.fixed_bytes,
                          "fraction": self.overhead.fraction},
+            "host": None if host is None else {
+                "ram_bytes": host.ram_bytes, "pinned_fraction": host.pinned_fraction,
+                "budget_bytes": host.budget, "measured": host.measured},
+            "maximize": self.maximize,
+            "granularity": self.granularity,
             "rows": [r.to_dict() for r in self.rows],
             "recommended": None if self.recommended is None else self.recommended.name,
             "notes": list(self.notes),
@@ -93,65 +122,126 @@ def _unit(gpu_bytes: int) -> tuple[str, int]:
     return "KiB", 1024
 
 
-def render(report: PlanReport) -> str:
-    """The plan as text: model line, per-configuration table (GiB), recommendation."""
+def _fits(r: Row) -> str:
+    if r.fits:
+        return "yes"
+    return "NO" if not r.fits_device else "HOST"
+
+
+def _header_lines(report: PlanReport) -> list[str]:
     s = report.shape
-    rows = report.rows
-    setup = rows[0].setup if rows else None
+    setup = report.rows[0].setup if report.rows else None
     lines = [
         f"model {s.name}: {s.num_params() / 1e9:.2f} B params, {s.layers} layers, hidden "
         f"{s.hidden}, intermediate {s.intermediate}, heads {s.heads}/{s.kv_heads} kv, vocab "
         f"{s.vocab}{', tied embeddings' if s.tie_embeddings else ''}",
     ]
     if setup is not None:
+        batch = "the largest batch" if report.maximize == "batch" else f"batch {setup.batch}"
+        seq = ("the longest sequence" if report.maximize == "seq"
+               else f"{setup.seq_len} tokens")
         lines.append(
-            f"step: batch {setup.batch} x {setup.seq_len} tokens, {setup.compute_dtype} compute, "
+            f"step: {batch} x {seq}, {setup.compute_dtype} compute, "
             f"LoRA r={setup.lora_r} on {len(setup.lora_targets)} linears/layer "
             f"({setup.adapter_dtype} adapters), AdamW"
         )
-    unit, scale = _unit(report.gpu_bytes)
-    lines.append(f"device: {format_bytes(report.gpu_bytes)}   (sizes below in {unit})")
-    lines.append("")
+    unit, _ = _unit(report.gpu_bytes)
+    host = ""
+    if report.host is not None:
+        host = f", host {format_bytes(report.host.budget)} pinned"
+    lines.append(f"device: {format_bytes(report.gpu_bytes)}{host}   (sizes below in {unit})")
+    return lines
+
+
+def _table_lines(report: PlanReport) -> list[str]:
+    rows = report.rows
+    _, scale = _unit(report.gpu_bytes)
     name_w = max([len(r.name) for r in rows] + [13]) + 1
-    header = f"{'#':>2} {'configuration':<{name_w}}" + "".join(f"{c:>8}" for c, _ in _COLUMNS)
-    header += f"{'total':>8}  {'fits':<4} {'slowdown':>8}"
-    lines += [header, "-" * len(header)]
+    maxed = report.maximize is not None
+    first = f"{'max ' + report.maximize:>10}" if maxed else ""
+    header = f"{'#':>2} {'configuration':<{name_w}}{first}"
+    header += "".join(f"{c:>8}" for c, _ in _COLUMNS)
+    header += f"{'total':>8}{'host':>8}  {'fits':<4} {'slowdown':>8}"
+    lines = [header, "-" * len(header)]
     for i, r in enumerate(rows, 1):
         p = r.estimate.pieces()
         mark = "*" if r is report.recommended else " "
         line = f"{i:>2}{mark}{r.name:<{name_w}}"
+        if maxed:
+            line += f"{r.maximum or 0:>10,}"
         line += "".join(f"{p[k] / scale:>8.2f}" for _, k in _COLUMNS)
-        line += f"{r.estimate.total / scale:>8.2f}  {'yes' if r.fits else 'NO':<4} {r.slowdown:>7.2f}x"
+        line += f"{r.estimate.total / scale:>8.2f}{r.estimate.host / scale:>8.2f}"
+        line += f"  {_fits(r):<4} {r.slowdown:>7.2f}x"
         lines.append(line)
-    lines.append("")
-    for i, r in enumerate(rows, 1):
-        e = r.estimate
-        extra = []
-        if e.segments and r.setup.checkpoint != "none":
-            ck = [seg for seg in e.segments if seg.kind == "checkpoint"]
-            extra.append(f"checkpoint {r.setup.checkpoint}: {sum(map(len, ck))}/{s.layers} "
-                         f"layers recomputed in {len(ck)} segments")
-        if r.setup.loss_chunk_tokens:
-            extra.append(f"loss in chunks of {r.setup.loss_chunk_tokens} tokens")
-        if e.optimizer_offloaded:
-            extra.append(f"optimizer {format_bytes(e.optimizer_offloaded)} on the host, "
-                         f"{format_bytes(r.paging_bytes_per_step)}/step paged")
-        if extra:
-            lines.append(f"{i:>2}: " + "; ".join(extra))
-    lines.append("")
-    if report.recommended is None:
+    return lines
+
+
+def _row_notes(r: Row, layers: int) -> list[str]:
+    e, setup = r.estimate, r.setup
+    extra = []
+    if r.limit is not None:
+        extra.append(f"limit: {r.limit}")
+    if e.segments and setup.checkpoint != "none":
+        ck = [seg for seg in e.segments if seg.kind in RECOMPUTED]
+        extra.append(f"checkpoint {setup.checkpoint}: {sum(map(len, ck))}/{layers} "
+                     f"layers recomputed in {len(ck)} segments")
+    if e.host_activations:
+        what = "layer inputs" if setup.offload == "inputs" else "activations"
+        extra.append(f"{what} {format_bytes(e.host_activations)} on the host")
+    if setup.mlp_tile is not None:
+        extra.append(f"MLP in tiles of {setup.mlp_tile} tokens")
+    if setup.loss_chunk_tokens:
+        extra.append(f"loss in chunks of {setup.loss_chunk_tokens} tokens")
+    if e.optimizer_offloaded:
+        extra.append(f"optimizer {format_bytes(e.optimizer_offloaded)} on the host, "
+                     f"{format_bytes(r.paging_bytes_per_step)}/step paged")
+    if not r.fits_host and setup.host_budget is not None:
+        extra.append(f"host needs {format_bytes(e.host)} of {format_bytes(setup.host_budget)} "
+                     "pinned: does not fit")
+    return extra
+
+
+def _answer_lines(report: PlanReport) -> list[str]:
+    rows = report.rows
+    r = report.recommended
+    if r is None:
         smallest = min(rows, key=lambda r: r.estimate.total)
-        lines.append(
+        if report.maximize is not None:
+            return [f"nothing fits at even {report.granularity} "
+                    f"{'tokens' if report.maximize == 'seq' else 'sequences'}: the smallest "
+                    f"configuration ({smallest.name}) needs {format_bytes(smallest.estimate.total)}"
+                    f" of {format_bytes(report.gpu_bytes)}; try a larger --gpu."]
+        return [
             f"nothing fits: the smallest configuration ({smallest.name}) needs "
             f"{format_bytes(smallest.estimate.total)} of {format_bytes(report.gpu_bytes)}; "
             "try a shorter --seq-len, a smaller --batch or a larger --gpu."
-        )
+        ]
+    headroom = report.gpu_bytes - r.estimate.total
+    if report.maximize is not None:
+        size = (f"{r.maximum:,} tokens per sequence" if report.maximize == "seq"
+                else f"batch {r.maximum}")
+        lines = [f"longest: #{rows.index(r) + 1} {r.name} — {size} ({r.limit} binds), "
+                 f"{format_bytes(r.estimate.total)} predicted, ~{r.slowdown:.2f}x step time"]
     else:
-        r = report.recommended
-        headroom = report.gpu_bytes - r.estimate.total
-        lines.append(f"recommended: #{rows.index(r) + 1} {r.name} — "
-                     f"{format_bytes(r.estimate.total)} predicted, "
-                     f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time")
-        lines.append("  tightfit train --model DIR " + " ".join(shlex.quote(a) for a in r.train_args))
+        lines = [f"recommended: #{rows.index(r) + 1} {r.name} — "
+                 f"{format_bytes(r.estimate.total)} predicted, "
+                 f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time"]
+    lines.append("  tightfit train --model DIR " + " ".join(shlex.quote(a) for a in r.train_args))
+    missing = missing_train_options(r.setup)
+    if missing:
+        lines.append(f"  (tightfit train cannot select {' and '.join(missing)} yet: without "
+                     "them this command does not run the planned configuration)")
+    return lines
+
+
+def render(report: PlanReport) -> str:
+    """The plan as text: model line, per-configuration table (GiB), recommendation."""
+    lines = _header_lines(report) + [""] + _table_lines(report) + [""]
+    for i, r in enumerate(report.rows, 1):
+        extra = _row_notes(r, report.shape.layers)
+        if extra:
+            lines.append(f"{i:>2}: " + "; ".join(extra))
+    lines.append("")
+    lines += _answer_lines(report)
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)

@@ -33,3 +33,18 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     if setup.paged and setup.optimizer_device_budget is not None:
         args += ["--device-budget", str(setup.optimizer_device_budget)]
     return tuple(args)
+
+
+def missing_train_options(setup: TrainSetup) -> tuple[str, ...]:
+    """The pieces of ``setup`` that ``tightfit train`` has no option for (yet).
+
+    Activation offload and the tiled MLP are mechanisms of :mod:`tightfit.checkpoint`;
+    until ``tightfit train`` selects them, :func:`train_args` cannot express them and the
+    plan says so beside the command.
+    """
+    missing = []
+    if setup.offload != "none":
+        missing.append(f"offload={setup.offload}")
+    if setup.mlp_tile is not None:
+        missing.append("the tiled MLP")
+    return tuple(missing)

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tightfit.checkpoint.plan import Plan, Segment
+from tightfit.checkpoint.plan import Segment
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.planner.activations import activation_peak, head_loss_bytes
+from tightfit.planner.activations import head_loss_bytes
 from tightfit.planner.estimate import Overhead, estimate
+from tightfit.planner.mechanisms import install_segments, install_tiling, unavailable
+from tightfit.planner.peak import activation_peak
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.setup import TrainSetup
 
@@ -112,7 +114,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
     if setup.quant != "int8" and setup.adapter_dtype == "float32":
         from tightfit.qlora.prepare import prepare
 
-        return prepare(
+        model = prepare(
             model, quant="nf4" if setup.quant == "nf4" else None,
             double_quant=setup.double_quant, blocksize=setup.blocksize,
             compute_dtype=setup.compute_dtype,
@@ -120,6 +122,14 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
                   "target_modules": tuple(setup.lora_targets)},
             checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
         )
+    else:
+        model = _stack_directly(model, setup, dtype)
+    install_tiling(model, setup)
+    return model
+
+
+def _stack_directly(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> nn.Module:
+    """int8 weights / 16-bit adapters, which ``prepare`` does not offer, via bnb and peft."""
     from peft import LoraConfig, get_peft_model
 
     if setup.quant != "none":
@@ -159,15 +169,6 @@ def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
         if scb is not None:
             out.append(scb)
     return [t for t in out if isinstance(t, torch.Tensor)]
-
-
-def _apply_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
-    """Install ``segments`` as a :mod:`tightfit.checkpoint` plan (its recompute path)."""
-    from tightfit.checkpoint import apply
-    from tightfit.checkpoint.blocks import resolve_blocks
-
-    apply.uninstall(model)
-    apply.install(model, resolve_blocks(model, None), Plan("verify", tuple(segments)))
 
 
 def _remove_segments(model: nn.Module) -> None:
@@ -255,7 +256,7 @@ def measure(shape: ModelShape, setup: TrainSetup,
         if tuple(segments) in by_plan:  # the same plan under another name: same step
             peaks[name] = by_plan[tuple(segments)]
             continue
-        _apply_segments(model, segments)
+        install_segments(model, segments)
         with MemoryTracker("cpu") as mt:
             out = model(input_ids=ids, labels=ids)
             loss = out.loss
@@ -332,9 +333,15 @@ def verify_report(report: PlanReport) -> list[dict[str, Any]]:
 
     Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows,
     the configuration's own checkpoint plan (``budget`` as solved for its budget) included.
+    A configuration whose mechanisms this checkout lacks (offload, the tiled MLP) gets no
+    rows and a ``"skipped"`` reason instead.
     """
-    out = []
+    out: list[dict[str, Any]] = []
     for row in report.rows:
+        why = unavailable(row.setup)
+        if why is not None:
+            out.append({"name": row.name, "pieces": [], "skipped": why})
+            continue
         policy = row.setup.checkpoint
         rows = compare(report.shape, row.setup, (policy,))[policy]
         out.append({"name": row.name, "pieces": [[n, p, m] for n, p, m in rows]})
@@ -348,6 +355,9 @@ def format_verify(verified: list[dict[str, Any]]) -> str:
     lines = ["verify: one real step per configuration on this machine (tensor bytes, CPU)"]
     for entry in verified:
         lines.append(f"  {entry['name']}")
+        if entry.get("skipped"):
+            lines.append(f"    not measured: {entry['skipped']}")
+            continue
         lines.append(f"    {'piece':<12}{'predicted':>12}{'measured':>12}{'error':>9}")
         for name, pred, meas in entry["pieces"]:
             err = relative_error(pred, meas)

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -189,22 +190,27 @@ def test_a_real_sigint_from_another_thread_during_long_steps() -> None:
     previous = signal.signal(signal.SIGINT, handler)
     rng = random.Random(5)
     interrupted = 0
+    took = 0.0  # the last step's time: the signal comes within it, wherever it lands
     try:
-        for step in range(1, 9):
+        for step in range(1, 10):
             for r, o, g in zip(ref, ours, _tensors(200 + step, sizes)):
                 r.grad, o.grad = g, g.clone()
             ref_opt.step()
-            timer = threading.Timer(rng.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGINT))
+            delay = rng.uniform(0.0, 0.9 * took) if step > 1 else 3600.0  # step 1: timing only
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
             inside["step"] = True
+            t0 = time.perf_counter()
             try:
                 timer.start()
                 opt.step()
+                took = time.perf_counter() - t0
             except KeyboardInterrupt:
                 interrupted += 1
                 inside["step"] = False
                 opt.finish_step()
             finally:
                 inside["step"] = False
+                timer.cancel()
                 timer.join()
     finally:
         signal.signal(signal.SIGINT, previous)

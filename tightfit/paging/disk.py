@@ -26,7 +26,13 @@ from collections.abc import Callable
 import torch
 
 from tightfit.paging.layout import Page
-from tightfit.tiers.integrity import ALGORITHM, CorruptStateError, checksum, zeros_checksum
+from tightfit.tiers.integrity import (
+    ALGORITHM,
+    CorruptStateError,
+    checksum,
+    copy_and_checksum,
+    zeros_checksum,
+)
 from tightfit.tiers.spill import SpillArea
 
 _RESUME = "restart from your last saved state (opt.load(path), tightfit train --resume)"
@@ -46,15 +52,17 @@ def _where(spill: SpillArea, page: Page) -> str:
             f"{page.spill_offset}..{page.spill_offset + page.nbytes - 1})")
 
 
-def verify(spill: SpillArea, page: Page, data: torch.Tensor) -> None:
+def verify(spill: SpillArea, page: Page, data: torch.Tensor, found: int | None = None) -> None:
     """Raise :class:`CorruptStateError` unless ``data`` (a CPU copy of the page's disk bytes,
-    or the mapping itself) matches the checksum of the last write."""
+    or the mapping itself; ``found``: its checksum, when already known) matches the checksum
+    of the last write."""
     if page.spill_lost is not None:
         raise CorruptStateError(
             f"the optimizer state of {describe(page)} in {_where(spill, page)} is lost: "
             f"{page.spill_lost}. It was not used; {_RESUME}"
         )
-    found = checksum(data)
+    if found is None:
+        found = checksum(data)
     if found != page.spill_checksum:
         expected = "none" if page.spill_checksum is None else f"{page.spill_checksum:#018x}"
         raise CorruptStateError(
@@ -115,8 +123,8 @@ class DiskHome:
         """Copy the page's bytes into ``dst`` and verify them there (what the update uses)."""
         page = self.page
         self.spill.check(page.group, page.spill_offset, page.nbytes)
-        dst.copy_(self.spill.region(page.group, page.spill_offset, page.nbytes))
-        verify(self.spill, page, dst)
+        region = self.spill.region(page.group, page.spill_offset, page.nbytes)
+        verify(self.spill, page, dst, copy_and_checksum(dst, region))
 
     def write_from(self, src: torch.Tensor) -> None:
         """Write ``src`` (the updated page) to disk; a failure marks the page lost, since its
@@ -124,9 +132,8 @@ class DiskHome:
         page = self.page
         try:
             self.spill.check(page.group, page.spill_offset, page.nbytes)
-            digest = checksum(src)
-            self.spill.region(page.group, page.spill_offset, page.nbytes).copy_(src)
-            page.spill_checksum = digest
+            region = self.spill.region(page.group, page.spill_offset, page.nbytes)
+            page.spill_checksum = copy_and_checksum(region, src)
             page.spill_lost = None
         except BaseException as exc:
             page.spill_lost = f"its write-back failed ({type(exc).__name__}: {exc})"

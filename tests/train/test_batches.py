@@ -111,9 +111,9 @@ def test_eval_batches_cover_the_eval_set_once_with_filler_rows_masked(qa) -> Non
 
 def _run(tmp_path, name, qa, batch_size, grad_accum):
     cfg = RunConfig(
-        train=TrainOptions(model=None, out=str(tmp_path / name), steps=3, batch_size=batch_size,
+        train=TrainOptions(model=None, out=str(tmp_path / name), steps=2, batch_size=batch_size,
                            grad_accum=grad_accum, seq_len=80, warmup_steps=0, grad_clip=None,
-                           save_every=3, track_every=0),
+                           save_every=2, track_every=0),
         data=DataOptions(path=str(qa)),
         prepare=PrepareOptions(checkpoint=None),
         lora=LoraOptions(r=4, alpha=8, dropout=0.0),

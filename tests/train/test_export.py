@@ -61,3 +61,20 @@ def test_export_merged_model_loads_in_transformers_with_the_adapters_loss(tmp_pa
 def test_export_refuses_a_folder_that_is_no_run(tmp_path, capsys) -> None:
     assert main(["export", str(tmp_path)]) == 2
     assert "not a tightfit train output folder" in capsys.readouterr().err
+
+
+def test_merge_refuses_4bit_moe_experts_before_writing(tmp_path) -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tightfit.train.export import merged_model
+    from tightfit.train.options import RunConfig, TrainOptions
+
+    folder = tmp_path / "moe"
+    MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+        num_experts_per_tok=1, max_position_embeddings=32)).save_pretrained(folder)  # fmt: skip
+    cfg = RunConfig(train=TrainOptions(model=str(folder)))
+    with pytest.raises(ValueError, match="dequantizes 4-bit linear layers only; this run also "
+                                         "quantized"):
+        merged_model(cfg, tmp_path / "adapter", torch.float32)

@@ -149,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {len(h)} steps "
               f"(median {result.report.meta['tokens_per_s_median']:.0f} tokens/s); "
               f"{elapsed:.1f} s in all")
+    meta = result.report.meta
+    eff = meta["batch_efficiency"]
+    if eff["efficiency"] is not None:
+        kind = "packing" if eff["batching"] == "pack" else "padding"
+        print(f"trained on {meta['trained_tokens']:,} target tokens; {kind} efficiency "
+              f"{eff['efficiency']:.1%} (the examples' share of the tokens computed)")
     evals = [x for x in h if x.get("eval_loss") is not None]
     if evals:
         print(f"eval loss {evals[-1]['eval_loss']:.3f} (perplexity "

@@ -111,7 +111,7 @@ def find_source(path: str | None) -> Source:
 
 @contextlib.contextmanager
 def quiet_datasets(progress: bool) -> Iterator[None]:
-    """datasets' progress bars on only when the run shows progress."""
+    """datasets' progress bars off inside unless ``progress`` (the state before comes back)."""
     import datasets
 
     was_disabled = datasets.are_progress_bars_disabled()
@@ -143,8 +143,10 @@ def load_text(source: Source, cache: DataCache, max_bytes: int | None) -> tuple[
     else:
         files = _first_files(list(source.files), max_bytes)
     try:
-        lines = load_dataset("text", data_files=[str(f) for f in files], split="train",
-                             cache_dir=str(cache.dir), sample_by="line", keep_linebreaks=True)
+        with quiet_datasets(False):  # its "Downloading data" bar: local files, no network
+            lines = load_dataset("text", data_files=[str(f) for f in files], split="train",
+                                 cache_dir=str(cache.dir), sample_by="line",
+                                 keep_linebreaks=True)
     except DatasetGenerationError as exc:
         if isinstance(exc.__cause__, UnicodeDecodeError):
             raise ValueError(_not_utf8(files)) from None
@@ -242,13 +244,15 @@ def load_records(source: Source, cache: DataCache) -> Any:
             ds = ds["train"]
         return ds
     try:
-        return load_dataset(source.builder, data_files=[str(f) for f in source.files],
-                            split="train", cache_dir=str(cache.dir))
+        with quiet_datasets(False):  # its "Downloading data" bar: local files, no network
+            return load_dataset(source.builder, data_files=[str(f) for f in source.files],
+                                split="train", cache_dir=str(cache.dir))
     except DatasetGenerationError:
         for f in source.files:  # the error path: find the file that fails, and why
             try:
-                load_dataset(source.builder, data_files=[str(f)], split="train",
-                             cache_dir=str(cache.dir))
+                with quiet_datasets(False):
+                    load_dataset(source.builder, data_files=[str(f)], split="train",
+                                 cache_dir=str(cache.dir))
             except DatasetGenerationError as exc:
                 reason = exc.__cause__ or exc
                 raise ValueError(f"data file {str(f)!r} is not valid {_KIND[source.builder]} "
@@ -268,8 +272,9 @@ def locate(source: Source, index: int, cache: DataCache) -> str:
 
     start = 0
     for f in source.files:
-        n = len(load_dataset(source.builder, data_files=[str(f)], split="train",
-                             cache_dir=str(cache.dir))) if len(source.files) > 1 else 1 << 62
+        with quiet_datasets(False):
+            n = len(load_dataset(source.builder, data_files=[str(f)], split="train",
+                                 cache_dir=str(cache.dir))) if len(source.files) > 1 else 1 << 62
         if index < start + n:
             k = index - start
             line = _jsonl_line(f, k) if f.suffix.lower() == ".jsonl" else None

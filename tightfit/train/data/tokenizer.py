@@ -117,6 +117,10 @@ class HFTokenizer:
                     "before it, so the assistant's tokens cannot be told apart; use a template "
                     "with {% generation %} markers, or --no-completion-only")
             spans.append((len(before), len(upto)))
+        if not getattr(self.hf, "is_fast", False):
+            raise ChatError(f"{self.name} is a slow tokenizer: telling the assistant's tokens "
+                            "apart needs a fast one (tokenizer.json) or {% generation %} "
+                            "markers in the template; or pass --no-completion-only")
         enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask

@@ -1,9 +1,9 @@
 """The training loop behind ``tightfit train``: set up, run the steps, finish.
 
 :func:`train` is three calls: :func:`tightfit.train.setup.setup` checks everything and builds
-the run (nothing is written before every check passed), :func:`run_steps` trains and saves
-the resume state every ``--save-every`` steps, and :func:`finish` measures the report, draws
-the plots and publishes the adapter.
+the run (nothing is written before every check passed), :func:`run_steps` trains, evaluates
+every ``--eval-every`` steps and saves the resume state every ``--save-every`` steps,
+and :func:`finish` measures the report, draws the plots and publishes the adapter.
 """
 
 from __future__ import annotations

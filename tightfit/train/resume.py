@@ -7,7 +7,8 @@ saves to continue later is its *resume state*. The folder keeps its historical n
 Layout of an output folder::
 
     out/
-      run_config.json          what the run was (a resume must match it)
+      run_config.json          what the run was: every option and the data's fingerprints
+                               (``--resume DIR`` continues with them; see resumed_config)
       LATEST                   "checkpoints/step-00000050": the last complete saved state
       checkpoints/step-00000050/
         adapter/               the LoRA adapter, peft format (adapter_config.json + safetensors)

@@ -2,11 +2,12 @@
 
 Every page written to the disk tier gets a checksum, verified when it is read back (and saved
 files may carry the same checksum per page). The checksum is 64-bit XXH3 (the ``xxhash``
-package): chosen by measured speed. On 8 MiB pages on the 2-core build machine it hashed at
-10-15 GiB/s from cache and ~7 GiB/s from RAM, as fast as a torch ``int64`` sum of the same
-bytes (which is order-blind and, run from the copy worker, competes with the update for torch's
-intra-op threads) and 12 x faster than ``zlib.crc32`` (1.2 GiB/s); it releases the GIL, so the
-copy worker hashes while the update runs (``docs/paging.md``, "Failure and integrity").
+package), chosen by measured speed (``benchmarks/results/checksums.md``): on 8 MiB pages read
+from RAM it hashed at ~4-6 GiB/s on one core of the 2-core build machine, 3 x zlib's CRC-32; a
+torch ``int64`` sum was as fast or faster but is order-blind (two opposite bit flips cancel)
+and, run from the copy worker, competes with the update for torch's intra-op threads. XXH3
+releases the GIL, so the copy worker hashes while the update runs (``docs/paging.md``, "Failure
+and integrity").
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
 
     Both are contiguous uint8 CPU tensors of one size. The copy goes in cache-sized chunks and
     each chunk is hashed while it is still in cache: a page is read from RAM once, not twice
-    (on the build machine copy + hash took ~1.2-1.4 x a bare copy this way, ~1.8 x as a copy
-    and then a hash).
+    (1.06-1.5 x a bare copy on the build machine, against 1.3-1.8 x for a copy, then a hash).
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_and_checksum: {dst.numel()} bytes to {src.numel()}")

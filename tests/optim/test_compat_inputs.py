@@ -81,6 +81,7 @@ LAYOUTS = {
     (torch.optim.AdamW, PagedAdamW, {"weight_decay": 0.1}),
     (torch.optim.AdamW, PagedAdamW, {"fused": False, "amsgrad": True}),
     (torch.optim.SGD, PagedSGD, {"lr": 0.01, "momentum": 0.9, "nesterov": True}),
+    (torch.optim.SGD, PagedSGD, {"lr": 0.01}),  # no momentum: no state, no pages
 ])  # fmt: skip
 def test_strided_and_complex_params_match_torch(torch_cls, paged_cls, kw, layout, budget) -> None:
     def make():
@@ -88,9 +89,9 @@ def test_strided_and_complex_params_match_torch(torch_cls, paged_cls, kw, layout
 
     ref, ours, opt = _run(make, torch_cls, paged_cls, kw, budget)
     st = opt.state[ours[0]]
-    name = [n for n in st if n != "step"][0]
-    assert st[name].shape == ref[0].shape and st[name].dtype == ref[0].dtype
-    assert opt.state_dict()["state"][0][name].is_complex() == ref[0].is_complex()
+    for name in (n for n in st if n != "step"):
+        assert st[name].shape == ref[0].shape and st[name].dtype == ref[0].dtype
+        assert opt.state_dict()["state"][0][name].is_complex() == ref[0].is_complex()
     opt.close()
 
 
@@ -219,6 +220,13 @@ def test_flags_that_cannot_be_honoured_raise_naming_the_flag(cls) -> None:
             cls([torch.randn(5)], fused=True)
     with pytest.raises(RuntimeError, match="cannot be `True` together"):
         cls([torch.randn(5)], fused=True, foreach=True)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_hyperparameters_are_checked_before_the_params_as_in_torch(cls) -> None:
+    for c in (torch.optim.AdamW, cls):
+        with pytest.raises(ValueError, match="Invalid learning rate"):
+            c(None, lr=-1.0)
 
 
 @pytest.mark.parametrize("cls", ALL)

@@ -78,8 +78,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         **paging: Unpack[PagingOptions],
     ) -> None:
         opts = options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
+        self._check_group(defaults)  # bad hyperparameters raise first (as in torch)
         params = checks.intake(params)  # torch's TypeError for a bare tensor, empty lists
-        self._check_group(defaults)  # bad hyperparameters raise before any state exists
         checks.check_paging_options(
             opts["page_bytes"], opts["device_budget"], opts["host_budget"], opts["spill_dir"]
         )

@@ -79,19 +79,23 @@ class Paged8bitOptimizer(PagedOptimizer):
         **paging: Unpack[PagingOptions],
     ) -> None:
         options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
-        params = checks.intake(params)
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:
             raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
         self._check_group(defaults)  # before the backend is resolved (the base checks again)
+        params = checks.intake(params)
         self._backend = quant8.resolve_backend(backend, checks.common_device(params))
         self._min_8bit_size = min_8bit_size
         super().__init__(params, defaults, **paging)
         if self._backend == "torch":  # its fp32 temporaries stay about one page in size
             self._view_limit = max(self._page_bytes // 2, quant8.BLOCKSIZE)
+
+    @property
+    def _maps(self) -> list[torch.Tensor]:
+        """bitsandbytes' signed and unsigned maps on the pages' device (cached per device)."""
         device = self._store.device
-        self._maps = [quant8.dynamic_map(True, device), quant8.dynamic_map(False, device)]
+        return [quant8.dynamic_map(True, device), quant8.dynamic_map(False, device)]
 
     @property
     def backend(self) -> str:
@@ -180,12 +184,13 @@ class Paged8bitOptimizer(PagedOptimizer):
         lr = hyper.scalar(group["lr"])
         counts = self._host_counts(steps)
         two = n == 2
+        qmap1, qmap2 = self._maps
         for k, (p, g) in enumerate(zip(params, grads)):
             ops.optimizer_update_8bit_blockwise(
                 self.kernel, self._kernel_grad(group, p, g), p,
                 states["state1"][k], states["state2"][k] if two else None,
                 beta1, beta2, 0.0, 0.0, eps, int(counts[k]), lr,
-                self._maps[0], self._maps[1] if two else None,
+                qmap1, qmap2 if two else None,
                 states["absmax1"][k], states["absmax2"][k] if two else None,
                 wd, 1.0, False,
             )  # fmt: skip

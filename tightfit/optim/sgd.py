@@ -16,8 +16,9 @@ from typing import Any, Unpack
 import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
-from tightfit.optim import hyper
+from tightfit.optim import hyper, views
 from tightfit.optim.base import PagedOptimizer
+from tightfit.optim.flat import PLAIN
 from tightfit.optim.options import PagingOptions
 from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
@@ -152,8 +153,25 @@ class PagedSGD(PagedOptimizer):
         # that a sweep stopped part-way (finish_step) never applies it twice.
         for group in self.param_groups:
             if group["momentum"] == 0:
-                ps = [p for p in group["params"] if p.grad is not None]
-                self._sgd(group, ps, [p.grad for p in ps], [None] * len(ps))
+                self._stateless(group)
+
+    def _stateless(self, group: dict[str, Any]) -> None:
+        """Plain SGD on a group's params in their page order (complex as real pairs; memory
+        not in that order through staging copies, as the paged update does it)."""
+        orders = self._access.orders
+        params, flats, grads, staged = [], [], [], {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            order = orders.get(id(p), PLAIN)
+            flat = order.view(p)
+            if flat is None:
+                flat = staged[id(p)] = order.flat(p).clone()
+            params.append(p)
+            flats.append(flat)
+            grads.append(order.flat(p.grad))
+        self._sgd(group, flats, grads, [None] * len(flats))
+        views.unstage(params, staged, orders)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format SGD state dict (``torch.optim.SGD``'s or ours); paging is kept.

@@ -10,6 +10,8 @@ from tightfit.checkpoint.blocks import find_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.plan import POLICIES, Plan, Segment
 from tightfit.checkpoint.profile import profile
+from tightfit.checkpoint.tiling import Tiling, disable_tiling, enable_tiling, tiling_of
 
-__all__ = ["POLICIES", "BlockCost", "Plan", "Profile", "Segment", "disable", "enable",
-           "find_blocks", "pareto", "profile"]
+__all__ = ["POLICIES", "BlockCost", "Plan", "Profile", "Segment", "Tiling", "disable",
+           "disable_tiling", "enable", "enable_tiling", "find_blocks", "pareto", "profile",
+           "tiling_of"]

@@ -47,3 +47,32 @@ def test_trainer_trains_a_prepared_model_with_paged_adamw(tmp_path) -> None:
     stats = opt.memory_stats()
     assert stats["bytes_paged_in"] > 0  # the state really paged (a budget of two pages)
     opt.close()
+
+
+def test_trainer_evaluate_with_compute_metrics_gets_the_logits(tmp_path) -> None:
+    """Chunked loss in eval (issue 16): eval mode runs HF's forward, so compute_metrics gets
+    the logits, and the eval loss is HF's own."""
+    from tightfit.loss import disable_chunked_loss
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    model = tightfit.prepare(LlamaForCausalLM(cfg), checkpoint="every", loss_chunks=16,
+                             lora={"r": 4, "alpha": 8})
+    seen = []
+
+    def metrics(ev) -> dict[str, float]:
+        seen.append(ev.predictions.shape)
+        hits = ev.predictions.argmax(-1)[:, :-1] == ev.label_ids[:, 1:]
+        return {"accuracy": float(hits.mean())}
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_eval_batch_size=4,
+                             report_to=[], use_cpu=True, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, eval_dataset=_Windows(8, 32),
+                      compute_metrics=metrics)
+    out = trainer.evaluate()
+    assert seen == [(8, 32, 64)] and 0.0 <= out["eval_accuracy"] <= 1.0
+    disable_chunked_loss(model)
+    ref = trainer.evaluate()
+    assert abs(out["eval_loss"] - ref["eval_loss"]) <= 1e-6 * abs(ref["eval_loss"])

@@ -5,8 +5,11 @@
 backbone (``model.model`` for Llama: ``base_model_prefix``) for the hidden states and then
 :func:`~tightfit.loss.chunked.chunked_cross_entropy` on the output head; the returned
 ``CausalLMOutputWithPast`` has ``loss`` and ``logits=None`` (the full logits are exactly what
-is never built). Without ``labels`` — generation, evaluation that wants logits — the
-original forward runs unchanged. :func:`disable_chunked_loss` removes the instance attribute
+is never built). Without ``labels`` — generation — the original forward runs unchanged, and
+so it does when the caller needs the logits: in eval mode (``model.eval()``: HF Trainer's
+``evaluate()`` hands them to ``compute_metrics``; switch it off with
+``enable_chunked_loss(..., eval_logits=False)``) or when a call passes
+``return_logits=True`` (``return_logits=False`` keeps the chunked loss in any mode). :func:`disable_chunked_loss` removes the instance attribute
 (or puts back the one that was there), so the model is exactly as before.
 
 Logit transforms the architecture applies before its loss (Gemma 2's
@@ -47,6 +50,7 @@ class _Patch:
     budget: int | None
     transform: LogitTransform
     router: RouterLoss | None  # a MoE model's load-balancing loss, added like its forward
+    eval_logits: bool = True  # eval mode runs the original forward: metrics need the logits
 
 
 def enable_chunked_loss(
@@ -54,6 +58,7 @@ def enable_chunked_loss(
     chunk_tokens: int | Literal["auto"] = "auto",
     *,
     budget: int | None = None,
+    eval_logits: bool = True,
 ) -> None:
     """Compute an HF causal LM's ``loss`` in chunks of tokens whenever ``labels`` are passed.
 
@@ -63,6 +68,10 @@ def enable_chunked_loss(
             :func:`~tightfit.loss.sizing.auto_chunk_tokens` from the batch shape, the
             vocabulary, the dtype and ``budget``.
         budget: With ``"auto"``: bytes allowed for one chunk's logits and their copies.
+        eval_logits: In eval mode (``model.training`` is False) run the original forward, so
+            ``outputs.logits`` is there for metrics (HF Trainer's ``evaluate()`` with
+            ``compute_metrics``); ``False`` keeps the chunked loss (and ``logits=None``) in
+            eval too. A call's ``return_logits=True``/``False`` overrides it either way.
 
     Raises:
         TypeError: ``model`` is not an HF causal LM (nor a PeftModel around one).
@@ -70,8 +79,11 @@ def enable_chunked_loss(
             architecture whose logit transform is not known to be computable per chunk (see
             :func:`logit_transform_of`).
 
-    Calling it again replaces the settings. With labels, ``outputs.logits`` is ``None``.
+    Calling it again replaces the settings. With labels (in training mode, or with
+    ``eval_logits=False``), ``outputs.logits`` is ``None``.
     """
+    if not isinstance(eval_logits, bool):
+        raise TypeError(f"eval_logits must be True or False, got {eval_logits!r}.")
     if chunk_tokens != "auto" and (
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
     ):
@@ -97,11 +109,16 @@ def enable_chunked_loss(
         budget=budget,
         transform=transform,
         router=router,
+        eval_logits=eval_logits,
     )
     original = lm.forward
 
     @functools.wraps(type(lm).forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, return_logits: bool | None = None, **kwargs: Any) -> Any:
+        if return_logits is None:
+            return_logits = patch.eval_logits and not lm.training
+        if return_logits:  # the caller needs the logits: HF's own forward builds them
+            return original(*args, **kwargs)
         return _chunked_forward(lm, original, signature, patch, args, kwargs)
 
     lm.forward = forward

@@ -33,7 +33,8 @@ from tightfit.qlora.experts import (
     quantize_experts,
 )
 from tightfit.qlora.options import LoraOptions, PrepareOptions
-from tightfit.qlora.quantize import _output_head_names, quantize_linears
+from tightfit.qlora.quantize import _output_head_names, linear4bit_layers, quantize_linears
+from tightfit.qlora.state4bit import take_saved_quant_state
 
 
 @dataclass
@@ -295,6 +296,8 @@ def _quantize_base(
         if p.is_floating_point() and p.dtype != cdtype:
             p.data = p.data.to(cdtype)
     model.to(dev)
+    for _, layer in linear4bit_layers(model):  # its state dict loads back (accelerate's
+        take_saved_quant_state(layer)  # load_state): the saved quant state is taken
     return quantized
 
 

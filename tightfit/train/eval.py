@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tightfit.loss import is_chunked_loss_enabled
+
 if TYPE_CHECKING:
     from tightfit.train.setup import Run
 
@@ -30,12 +32,14 @@ def evaluate(run: Run) -> dict[str, float]:
     world = job.info.world_size if job.distributed else 1
     total = torch.zeros(2, dtype=torch.float64)
     was_training = model.training
+    # only the loss is needed: keep the chunked loss (no full logits) in eval mode too
+    extra = {"return_logits": False} if _chunked(model) else {}
     model.eval()
     try:
         with torch.no_grad():
             for micro in run.data.eval.eval_batches(row_multiple=world):
                 inputs = {k: v.to(run.device) for k, v in job.rows(micro.inputs).items()}
-                loss = run.runner(**inputs, num_items_in_batch=1).loss
+                loss = run.runner(**inputs, num_items_in_batch=1, **extra).loss
                 mine = (inputs["labels"][:, 1:] != -100).sum()
                 total += torch.stack([loss.detach().double().cpu(), mine.double().cpu()])
     finally:
@@ -44,3 +48,10 @@ def evaluate(run: Run) -> dict[str, float]:
     mean = summed / count if count else float("nan")
     return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 700.0)),
             "eval_tokens": int(count)}
+
+
+def _chunked(model: torch.nn.Module) -> bool:
+    try:
+        return is_chunked_loss_enabled(model)
+    except TypeError:  # not an HF causal LM: no chunked loss to keep
+        return False

@@ -184,3 +184,15 @@ def test_8bit_state_reads_as_bitsandbytes_names(budget) -> None:
     opt.state[big]["state1"] = torch.full_like(st["state1"], 127)  # signed map: code 127 = 0
     assert opt.torch_state_dict()["state"][0]["exp_avg"].abs().max() == 0
     opt.close()
+
+
+def test_an_edited_copy_once_dropped_is_seen_by_the_next_read() -> None:
+    p = torch.randn(3000)
+    opt = PagedAdamW([p], page_bytes=PAGE, device_budget=PAGE)  # every page on disk
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = opt.state[p]["exp_avg"].clone()
+    opt.state[p]["exp_avg"].mul_(2.0)  # an in-place edit of a copy, dropped at once
+    torch.testing.assert_close(opt.state[p]["exp_avg"], before * 2)
+    torch.testing.assert_close(opt.state_dict()["state"][0]["exp_avg"], before * 2)
+    opt.close()

@@ -272,12 +272,10 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
             self._pending_step = self._step_id
             torch._foreach_add_(steps, 1)
         self._grad_scale = getattr(self, "grad_scale", None)
-        self._access.busy = True
         try:
             self._run_sweep_or_stream()
         finally:
             self._grad_scale = None
-            self._access.busy = False
         self._access.refresh()  # copies still held follow the update
         return loss
 
@@ -307,11 +305,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         """Complete a step that stopped part-way, updating only the pages it had not updated."""
         self._check_open()
         if self._pending_step is not None:
-            self._access.busy = True
-            try:
-                self._run_sweep_or_stream()
-            finally:
-                self._access.busy = False
+            self._run_sweep_or_stream()
             self._access.refresh()
 
     def _run_sweep_or_stream(self) -> None:

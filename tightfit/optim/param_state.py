@@ -13,9 +13,11 @@ in pages on some tier. :class:`ParamState` is the mapping stored as ``optimizer.
   shaped like the param, on the param's device, costing the param's state bytes for as long
   as it is held. Reading it reads the param's pages from their tier (one page-size temporary
   at a time for pages off the device); nothing else is loaded, so the paging budget holds.
-  In-place edits of a copy are written back to the pages when the copy is dropped or at the
-  optimizer's next ``step()``, ``state_dict()``, ``save()`` or ``load_state_dict()``,
-  whichever comes first (a write to a page off the device is a read-modify-write of that
+  In-place edits of a copy are written back to the pages once the copy is dropped (at the
+  next access to the optimizer's state: ``state[p]``, ``step()``, ``state_dict()``,
+  ``save()``; never from inside a garbage-collector callback) or, for a copy still held, at
+  the next ``step()``, ``state_dict()`` or ``save()`` (a load replaces the state: the copy
+  then shows the loaded values) (a write to a page off the device is a read-modify-write of that
   page on its tier), and a copy still held after a step or a load is refreshed from the pages,
   so it follows the state at step granularity as torch's tensors do;
 * assigning ``state[p][name] = tensor`` writes the values into the pages (the same
@@ -76,7 +78,8 @@ class StateAccess:
         self._orders: dict[int, ElementOrder] = {}
         self._tracked: dict[int, _Tracked] = {}
         self._keys = itertools.count()
-        self.busy = False  # inside step(): write-backs of dropped copies wait until it ends
+        # dropped copies with edits: written back at the next access (a finalizer runs at any
+        # moment, e.g. in the middle of a page move, so it only queues them)
         self._deferred: list[_Tracked] = []
 
     # ------------------------------------------------------------------ index
@@ -123,6 +126,7 @@ class StateAccess:
         constants = self._constants(p)
         if name in constants:
             return constants[name]
+        self._write_deferred()
         store = self._store()
         store.engine.synchronize()  # between steps every copy has landed; be sure
         segs = self._segments[id(p)]
@@ -165,7 +169,9 @@ class StateAccess:
                 f"{name!r} is the fixed quantization map of this optimizer (bitsandbytes' "
                 "dynamic map) and cannot be changed; write state1/state2/absmax instead"
             )
-        self._write_flat(p, name, self._flat_value(p, name, value))
+        flat = self._flat_value(p, name, value)
+        self._write_deferred()
+        self._write_flat(p, name, flat)
 
     def _write_flat(self, p: torch.Tensor, name: str, flat: torch.Tensor) -> None:
         store = self._store()
@@ -214,14 +220,14 @@ class StateAccess:
         weakref.finalize(out, _released, weakref.ref(self), key)
 
     def released(self, key: int) -> None:
-        """A copy was dropped: write its in-place edits back (after the step, if in one)."""
+        """A copy was dropped: queue its in-place edits for the next access."""
         rec = self._tracked.pop(key, None)
-        if rec is None or rec.shadow._version == rec.version or self._owner() is None:
-            return
-        if self.busy:
+        if rec is not None and rec.shadow._version != rec.version:
             self._deferred.append(rec)
-            return
-        self._write_back(rec)
+
+    def _write_deferred(self) -> None:
+        while self._deferred:
+            self._write_back(self._deferred.pop(0))
 
     def _write_back(self, rec: _Tracked) -> None:
         self._write_flat(rec.param, rec.name, rec.shadow)
@@ -229,9 +235,7 @@ class StateAccess:
 
     def flush(self) -> None:
         """Write the in-place edits of every copy handed out back into the pages."""
-        for rec in self._deferred:
-            self._write_back(rec)
-        self._deferred = []
+        self._write_deferred()
         for rec in list(self._tracked.values()):
             if rec.shadow._version != rec.version:
                 self._write_back(rec)

@@ -18,6 +18,12 @@ layer inputs + paged optimizer state; must fit ``--pinned-fraction`` of ``--host
 ``fits``: yes, NO (device) or HOST (the device fits, the host does not). With ``--max-seq``
 the first column is each row's longest sequence and its pieces are at that length; the note
 line under the table says what binds (device, host, or the model's position limit).
+
+Rows 8-10 are for long sequences: every layer recomputed with its input offloaded to pinned
+host memory (brought back one layer ahead) and the chunked loss — Unsloth's recipe —; the
+same with the MLP run in tiles of tokens; and a budget plan with both and the paged 8-bit
+AdamW. Offload costs host RAM and link time (hidden behind compute when it can be), the tiled
+MLP one more MLP forward per layer. See docs/plan.md, "Long context".
 """
 
 from __future__ import annotations

@@ -83,17 +83,17 @@ def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = 
 
 
 def planned_mlp_tile(shape: ModelShape, setup: TrainSetup) -> int:
-    """Tokens per MLP tile: :mod:`tightfit.checkpoint.tiling`'s ``"auto"`` tile (``hidden``
-    tokens), halved while one tile's backward still outweighs the attention's (a smaller
-    tile then lowers the layer's peak), but not below ``MIN_MLP_TILE`` tokens."""
+    """Tokens per MLP tile, the size to pass to :func:`tightfit.checkpoint.tiling.enable_tiling`.
+
+    ``hidden`` tokens (DeepSpeed/Arctic's TiledMLP bound: one tile's intermediates are the
+    size of one MLP weight matrix), all of them when there are fewer, halved while one
+    tile's backward still outweighs the attention's (a smaller tile then lowers the layer's
+    peak), but not below ``MIN_MLP_TILE`` tokens. A planning rule of the memory model, not
+    the tiling module's own ``"auto"``.
+    """
     from tightfit.planner.activations import attention_backward_bytes, tiled_mlp_backward_bytes
 
-    try:
-        from tightfit.checkpoint.tiling import auto_tile_tokens
-    except ImportError:  # a checkout without the tiled MLP: plan with its rule all the same
-        tile = max(1, min(shape.hidden, setup.tokens))
-    else:
-        tile = auto_tile_tokens(shape.hidden, setup.tokens)
+    tile = max(1, min(shape.hidden, setup.tokens))
     attention = attention_backward_bytes(shape, setup)
     while (tile // 2 >= MIN_MLP_TILE
            and tiled_mlp_backward_bytes(shape, setup, tile) > attention):

@@ -266,7 +266,12 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
             self._pressure.before_step(sum(p.grad.nbytes for p in active))
         self._store.materialize()
         self._access.flush()  # in-place edits of state copies handed out reach the pages
-        steps = [self._step_tensor(p) for p in active]
+        get = self.state.get
+        steps = []
+        for p in active:  # a call per param only when its state starts (LoRA: hundreds)
+            st = get(p)
+            steps.append(st.plain["step"] if type(st) is ParamState and "step" in st.plain
+                         else self._step_tensor(p))  # fmt: skip
         with hold_interrupts():  # Ctrl-C: both or neither (finish_step relies on the counts)
             self._step_id += 1
             self._pending_step = self._step_id

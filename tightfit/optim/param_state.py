@@ -270,20 +270,23 @@ class ParamState(MutableMapping):
         access: the optimizer's :class:`StateAccess`.
         param: the param.
         items: the plain entries (``step`` and any other key stored as is).
+
+    Attributes:
+        plain: the plain entries, read without touching any page.
     """
 
-    __slots__ = ("_access", "_param", "_items")
+    __slots__ = ("_access", "_param", "plain")
 
     def __init__(self, access: StateAccess, param: torch.Tensor, items: dict[str, Any]) -> None:
         self._access = access
         self._param = param
-        self._items = items
+        self.plain = items
 
     def _paged(self) -> list[str]:
-        return [n for n in self._access.names(self._param) if n not in self._items]
+        return [n for n in self._access.names(self._param) if n not in self.plain]
 
     def __getitem__(self, key: str) -> Any:
-        items = self._items
+        items = self.plain
         if key in items:
             return items[key]
         if key in self._access.names(self._param):
@@ -299,11 +302,11 @@ class ParamState(MutableMapping):
             owner = self._access._owner()
             if owner is not None:
                 owner._state_replaced()  # cached update lists hold the old step tensor
-        self._items[key] = value
+        self.plain[key] = value
 
     def __delitem__(self, key: str) -> None:
-        if key in self._items:
-            del self._items[key]
+        if key in self.plain:
+            del self.plain[key]
             return
         if key in self._access.names(self._param):
             raise TypeError(
@@ -313,22 +316,17 @@ class ParamState(MutableMapping):
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._items or key in self._access.names(self._param)
+        return key in self.plain or key in self._access.names(self._param)
 
     def __iter__(self) -> Iterator[str]:
-        return iter([*self._items, *self._paged()])
+        return iter([*self.plain, *self._paged()])
 
     def __len__(self) -> int:
-        return len(self._items) + len(self._paged())
-
-    @property
-    def plain(self) -> dict[str, Any]:
-        """The plain entries (``step`` and keys you added), without reading any page."""
-        return self._items
+        return len(self.plain) + len(self._paged())
 
     def __repr__(self) -> str:
         paged = ", ".join(f"{n}=<paged>" for n in self._paged())
-        plain = ", ".join(f"{k}={v!r}" for k, v in self._items.items())
+        plain = ", ".join(f"{k}={v!r}" for k, v in self.plain.items())
         return f"ParamState({', '.join(s for s in (plain, paged) if s)})"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:

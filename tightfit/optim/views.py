@@ -70,9 +70,13 @@ def bucket_lists(
         )
         hit = cache.get(key)
         if hit is not None:
-            meta, views, states, steps, ptrs = hit
+            meta, views, states, steps, ptrs, plain = hit
             if all(p.data_ptr() == ptr for (p, _, _, _), ptr in zip(meta, ptrs)):
-                return views, [_grad(p, a, b, o) for p, a, b, o in meta], states, steps
+                if plain:  # the common case, without a call per param
+                    grads = [local_flat(p.grad, a, b, in_place=False) for p, a, b, _ in meta]
+                else:
+                    grads = [_grad(p, a, b, o) for p, a, b, o in meta]
+                return views, grads, states, steps
     runs = coalesce(params, bucket, limit)
     if not runs:
         return None
@@ -94,7 +98,8 @@ def bucket_lists(
     if key is not None and not any(is_dtensor(p) for p, *_ in runs):  # DTensors: not cached
         if len(cache) >= _MAX_ENTRIES:
             cache.clear()
-        cache[key] = (meta, views, states, steps, [p.data_ptr() for p, *_ in meta])
+        plain = all(o.plain for *_, o in meta)
+        cache[key] = (meta, views, states, steps, [p.data_ptr() for p, *_ in meta], plain)
     return views, grads, states, steps
 
 
@@ -130,6 +135,8 @@ def unstage(
     params: list[torch.Tensor], staged: dict[int, torch.Tensor], orders: dict[int, ElementOrder]
 ) -> None:
     """Write the updated staging copies back into their params."""
+    if not staged:
+        return
     for p in params:
         flat = staged.get(id(p))
         if flat is not None:

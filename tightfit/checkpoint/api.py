@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -11,9 +11,21 @@ from torch import nn
 from tightfit.checkpoint import apply
 from tightfit.checkpoint.blocks import resolve_blocks
 from tightfit.checkpoint.chain import Profile
-from tightfit.checkpoint.plan import Plan, parse_policy, structural_segments
+from tightfit.checkpoint.offload import tier_of, tier_speed
+from tightfit.checkpoint.plan import (
+    MIN_OFFLOAD_BYTES,
+    OffloadTier,
+    Plan,
+    Segment,
+    offload_inputs,
+    offload_sizes,
+    parse_policy,
+    structural_segments,
+)
 from tightfit.checkpoint.profile import profile
 from tightfit.checkpoint.solver import frontier, make_plan
+from tightfit.tiers.regions import tier_capacity
+from tightfit.tiers.spill import check_spill_dir
 
 
 def enable(
@@ -23,8 +35,12 @@ def enable(
     budget: int | None = None,
     example: Mapping[str, Any] | torch.Tensor | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    offload: bool = False,
+    offload: bool | Literal["auto"] = "auto",
+    host_budget: int | None = None,
+    spill_dir: str | None = None,
     profiled: Profile | None = None,
+    offload_min_bytes: int = MIN_OFFLOAD_BYTES,
+    offload_bandwidth: float | None = None,
 ) -> Plan:
     """Checkpoint ``model`` according to ``policy`` and return the plan.
 
@@ -40,10 +56,22 @@ def enable(
             peak and recompute to the plan. The model must return a ``.loss`` or a tensor
             (whose sum is used) for it.
         blocks: The chain of layers, in forward order; found automatically when ``None``.
-        offload: Keep checkpointed segment inputs on the host until backward (CUDA only;
-            a no-op on the CPU, noted in the plan).
+        offload: Where activations may wait for their backward. ``"auto"``: the budget
+            solver may move a segment's saved tensors, or a checkpointed segment's input, to
+            the next tier (pinned host RAM on CUDA, a spill file on the CPU) when that is
+            needed to fit or costs less than recomputing; fixed policies do not offload.
+            ``True``: every checkpointed segment's input goes to the next tier. ``False``:
+            nothing moves.
+        host_budget: Bytes the offloaded activations may take on the next tier (leave room
+            for the paged optimizer's host pages there). ``None``: what the tier has free
+            now (free disk of the spill folder; host RAM that can be pinned).
+        spill_dir: Folder for the CPU's spill files (``None``: the temp folder).
         profiled: A :func:`~tightfit.checkpoint.profile` of this model and batch to plan
             from instead of ``example`` (profile once, try several policies).
+        offload_min_bytes: Saved storages smaller than this stay on the device.
+        offload_bandwidth: Bytes/s of a move to the next tier (one way) to plan with,
+            instead of measuring it (timed copies through the copy engine, once per device
+            and tier); a given bandwidth is planned with no fixed latency.
 
     Returns:
         The installed :class:`Plan`. Calling ``enable`` again replaces it.
@@ -52,12 +80,14 @@ def enable(
         ValueError / TypeError: Unknown policy, missing or impossible budget, no blocks
             found, an example the model cannot run. The model is left unchanged.
     """
-    name, k = parse_policy(policy)
+    name, _ = parse_policy(policy)
     if name == "budget" and (budget is None or (example is None and profiled is None)):
         raise ValueError("policy='budget' needs budget=<bytes> and example=<a batch>; or "
                          "pick a fixed policy such as 'every' or 'sqrt'.")
     if budget is not None and (not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
+    tier_args = (host_budget, spill_dir, offload_min_bytes, offload_bandwidth)
+    _check_offload_args(offload, *tier_args)
     if _hf_checkpointing_on(model):
         raise ValueError("the model already has Hugging Face gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before tightfit.checkpoint."
@@ -66,25 +96,74 @@ def enable(
     if profiled is not None and len(profiled.blocks) != len(chain):
         raise ValueError(f"profiled= has {len(profiled.blocks)} blocks but the model's chain has "
                          f"{len(chain)}; profile this model with the same blocks=.")
-    notes: list[str] = []
-    if offload and not any(p.is_cuda for p in model.parameters()):
-        notes.append("offload=True is a no-op on the CPU: segment inputs already live in host "
-                     "memory.")
     previous = apply.installed(model)  # (plan, its blocks), or None
     apply.uninstall(model)
     try:
-        if example is None and profiled is None:
-            segments = structural_segments(name, k, len(chain))
-            plan = Plan(policy, segments, offload=offload, notes=tuple(notes))
-        else:
-            prof = profiled or profile(model, example, blocks=chain)
-            plan = make_plan(prof, policy, budget=budget, offload=offload, notes=tuple(notes))
+        prof = profiled or (None if example is None else profile(model, example, blocks=chain))
+        plan = _plan_for(chain, policy, budget, prof, offload, tier_args)
     except BaseException:
         if previous is not None:
             apply.install(model, previous[1], previous[0])  # on the blocks it was on
         raise
     apply.install(model, chain, plan)
     return plan
+
+
+def _plan_for(chain: list[nn.Module], policy: str, budget: int | None, prof: Profile | None,
+              offload: bool | str, tier_args: tuple) -> Plan:
+    """The plan of ``policy``: predicted from ``prof``, or (without one) just its segments."""
+    name, k = parse_policy(policy)
+    notes: list[str] = []
+    if prof is None:
+        segments = structural_segments(name, k, len(chain))
+        segments = offload_inputs(segments) if offload is True else segments
+        tier = _tier(chain, offload, None, notes, *tier_args)
+        return Plan(policy, segments, notes=tuple(notes),
+                    tier=tier if any(s.offloads for s in segments) else None)
+    # fixed policies offload only when asked to (True); "auto" is the budget solver's choice
+    tier = _tier(chain, offload if name == "budget" else offload is True, prof, notes, *tier_args)
+    return make_plan(prof, policy, budget=budget, offload=offload,  # type: ignore[arg-type]
+                     tier=tier, notes=tuple(notes))
+
+
+def _check_offload_args(offload: object, host_budget: object, spill_dir: object,
+                        min_bytes: object, bandwidth: object) -> None:
+    if offload not in (True, False, "auto") or not isinstance(offload, bool | str):
+        raise ValueError(f"offload must be True, False or 'auto', got {offload!r}.")
+    if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"host_budget must be a number of bytes ≥ 0 or None, got "
+                         f"{host_budget!r}.")
+    if not isinstance(min_bytes, int) or min_bytes < 1:
+        raise ValueError(f"offload_min_bytes must be a positive number of bytes, got "
+                         f"{min_bytes!r}.")
+    if bandwidth is not None and (not isinstance(bandwidth, int | float) or bandwidth <= 0):
+        raise ValueError(f"offload_bandwidth must be bytes per second > 0 or None (measure "
+                         f"it), got {bandwidth!r}.")
+    check_spill_dir(spill_dir)  # type: ignore[arg-type]
+
+
+def _tier(chain: list[nn.Module], offload: bool | str, prof: Profile | None, notes: list[str],
+          host_budget: int | None, spill_dir: str | None, min_bytes: int,
+          bandwidth: float | None) -> OffloadTier | None:
+    """The next tier a plan may offload to (``None`` when it may not), with its room checked
+    and, when something is big enough to move, its bandwidth measured."""
+    if offload is False:
+        return None
+    device = next((p.device for b in chain for p in b.parameters()), torch.device("cpu"))
+    name, overlap = tier_of(device)
+    room = tier_capacity(name, spill_dir)
+    where = "free disk in the spill folder" if name == "disk" else "host RAM that can be pinned"
+    if host_budget is not None and host_budget > room:
+        notes.append(f"host_budget {host_budget} bytes is more than the {name} tier has now "
+                     f"({room} bytes of {where}); planned with {room}.")
+    limit = room if host_budget is None else min(host_budget, room)
+    movable = prof is not None and any(
+        offload_sizes(prof, Segment(i, i + 1, kind), min_bytes)
+        for i in range(len(prof.blocks)) for kind in ("stored_offload", "checkpoint_offload"))
+    latency = 0.0
+    if bandwidth is None:
+        bandwidth, latency = tier_speed(device, name, spill_dir) if movable else (0.0, 0.0)
+    return OffloadTier(name, float(bandwidth), overlap, min_bytes, limit, spill_dir, latency)
 
 
 def disable(model: nn.Module) -> Plan | None:

@@ -14,6 +14,12 @@ The replay calls each block as a module (``block(*args, **kwargs)``), so the mod
 the blocks run in the recompute as in forward: FSDP2's unshard (``reshard_after_forward=True``),
 ``PressureWatch``'s pre-forward check, user hooks. While a runner replays, its patched
 ``forward`` steps aside and runs the original, so the replay opens no frame of its own.
+
+A plan with offloaded segments also gets an :class:`~tightfit.checkpoint.offload.Offloader`:
+a ``checkpoint_offload`` frame saves its input through the offloader's hooks, the blocks of
+a ``stored_offload`` segment run their forward under them, and schedule hooks on the segment
+boundaries (:func:`~tightfit.checkpoint.offload.schedule_hooks`) retire writes and prefetch
+one segment ahead.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +36,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
-from tightfit.checkpoint.plan import Plan, Segment
+from tightfit.checkpoint.offload import (
+    Offloader,
+    param_storages,
+    schedule_hooks,
+    shared_storages,
+    stored_forward,
+    tier_of,
+)
+from tightfit.checkpoint.plan import OffloadTier, Plan, Segment
 from tightfit.checkpoint.selective import selective_context_fn
 
 STATE_ATTR = "_tightfit_checkpoint"
@@ -45,11 +59,17 @@ class _Link:
 
 
 class SegmentRunner:
-    """Runs consecutive blocks inside one non-reentrant checkpoint frame."""
+    """Runs consecutive blocks inside one non-reentrant checkpoint frame.
 
-    def __init__(self, segment: Segment, offload: bool) -> None:
+    With an ``offloader`` (a ``checkpoint_offload`` segment, number ``index`` of the plan),
+    the frame's saved input goes to the next tier.
+    """
+
+    def __init__(self, segment: Segment, offloader: Offloader | None = None,
+                 index: int = 0) -> None:
         self.segment = segment
-        self.offload = offload
+        self.offloader, self.index = offloader, index
+        self._frame_hooks: Any = None
         self.context_fn = selective_context_fn if segment.kind == "selective" else noop_context_fn
         self._gen: Any = None
         self._calls: list[tuple[nn.Module, Any, list[Any] | None]] = []
@@ -97,7 +117,7 @@ class SegmentRunner:
         if pos == 0:
             self.finish()  # a frame left open by an interrupted forward
             if torch.is_grad_enabled():
-                self._open(call_args, call_kwargs)
+                self._open(block, call_args, call_kwargs)
         if self._gen is None:  # no grad (eval / inference): nothing to checkpoint
             return fn(*args, **kwargs)
         if pos == 0:
@@ -121,7 +141,7 @@ class SegmentRunner:
             self._prev_ids = {id(t): i for i, t in enumerate(outs) if isinstance(t, torch.Tensor)}
         return out
 
-    def _open(self, args: tuple, kwargs: dict) -> None:
+    def _open(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
         calls: list[tuple[nn.Module, Any, list[Any] | None]] = []
         # early_stop=False: the replay runs every block to its end, so the hooks that follow
         # a block's forward run in the recompute too (torch would otherwise stop inside the
@@ -130,27 +150,46 @@ class SegmentRunner:
             functools.partial(self._replay, calls), True, self.context_fn, "default", False,
             False, *args, **kwargs,
         )
-        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in tree_flatten(args)[0])
-        # The frame saves the segment's inputs when it opens: offloading exactly that save
-        # parks the checkpointed inputs on the host until the segment's backward.
-        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=True) if self.offload and on_cuda
-               else contextlib.nullcontext())
-        with ctx:
+        # The frame saves the segment's (positional) inputs when it opens, under the hooks
+        # on top of the stack then: the offloader's, for a checkpoint_offload segment. The
+        # frame pushes its own hooks above them for the segment's forward, and pops them
+        # when it closes; ours are popped after that (finish / abort), keeping the stack in
+        # order. (Exiting ours right after the open would pop the frame's instead.)
+        if self.offloader is not None:
+            self._frame_hooks = self.offloader.hooks(self.index, param_storages(block)
+                                                     | shared_storages((args, kwargs),
+                                                                       self.segment.start == 0))
+            self._frame_hooks.__enter__()
+        try:
             next(gen)
+        except BaseException:
+            self._pop_frame_hooks()
+            raise
         self._gen, self._calls, self._prev_ids = gen, calls, {}
+
+    def _pop_frame_hooks(self) -> None:
+        hooks, self._frame_hooks = self._frame_hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
     def finish(self) -> None:
         """Close the open frame normally (its forward is complete)."""
         gen, self._gen, self._prev_ids, self._pending = self._gen, None, {}, None
         if gen is not None:
-            with contextlib.suppress(StopIteration):
-                next(gen)
+            try:
+                with contextlib.suppress(StopIteration):
+                    next(gen)
+            finally:
+                self._pop_frame_hooks()
 
     def abort(self) -> None:
         """Close the open frame after an exception in its forward."""
         gen, self._gen, self._prev_ids, self._pending = self._gen, None, {}, None
         if gen is not None:
-            gen.close()
+            try:
+                gen.close()
+            finally:
+                self._pop_frame_hooks()
 
     def _replay(self, calls: list[tuple[nn.Module, Any, list[Any] | None]], *args: Any,
                 **kwargs: Any) -> Any:
@@ -186,6 +225,8 @@ class _Applied:
     hook: Any
     capture_hooks: list[Any]
     config_use_cache: Any = _MISSING
+    offloader: Offloader | None = None
+    schedule: list[Any] = field(default_factory=list)
 
 
 def is_enabled(model: nn.Module) -> bool:
@@ -198,10 +239,17 @@ def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
     saved = [b.__dict__.get("forward", _MISSING) for b in blocks]
     runners: list[SegmentRunner] = []
     captures: list[Any] = []
-    for seg in plan.segments:
+    offloader = _offloader_for(plan, blocks) if plan.offload else None
+    for j, seg in enumerate(plan.segments):
         if seg.kind == "stored":
             continue
-        runner = SegmentRunner(seg, plan.offload)
+        if seg.kind == "stored_offload":
+            assert offloader is not None
+            for i in range(seg.start, seg.stop):
+                blocks[i].forward = stored_forward(offloader, j, blocks[i], blocks[i].forward,
+                                                   first_block=i == 0)
+            continue
+        runner = SegmentRunner(seg, offloader if seg.kind == "checkpoint_offload" else None, j)
         runners.append(runner)
         for pos, i in enumerate(range(seg.start, seg.stop)):
             blocks[i].forward = runner.forward_for(pos, blocks[i], blocks[i].forward)
@@ -215,17 +263,33 @@ def install(model: nn.Module, blocks: list[nn.Module], plan: Plan) -> None:
             r.finish()
 
     hook = model.register_forward_hook(_close_frames, always_call=True)
-    state = _Applied(plan, blocks, saved, runners, hook, captures)
+    state = _Applied(plan, blocks, saved, runners, hook, captures, offloader=offloader)
+    if offloader is not None:
+        state.schedule = schedule_hooks(offloader, model, blocks, plan.segments,
+                                        lambda: any(r._replaying for r in runners))
     config = getattr(model, "config", None)
-    if plan.checkpointed_blocks and config is not None and getattr(config, "use_cache", False):
+    moves = plan.checkpointed_blocks or plan.offload
+    if moves and config is not None and getattr(config, "use_cache", False):
+        # (and a KV cache keeps the keys and values an offloaded segment saves alive on the
+        # device until the forward ends: offloading them would free nothing)
         warnings.warn(
             "tightfit.checkpoint: setting model.config.use_cache=False — a KV cache written in "
-            "forward would be written again by the recompute; disable() restores it.",
+            "forward would be written again by the recompute, and would keep offloaded keys and "
+            "values on the device; disable() restores it.",
             stacklevel=3,
         )
         state.config_use_cache = config.use_cache
         config.use_cache = False
     object.__setattr__(model, STATE_ATTR, state)
+
+
+def _offloader_for(plan: Plan, blocks: list[nn.Module]) -> Offloader:
+    device = next((p.device for b in blocks for p in b.parameters()), torch.device("cpu"))
+    tier = plan.tier
+    if tier is None:  # a fixed plan made without a profile: the device's next tier
+        name, overlap = tier_of(device)
+        tier = OffloadTier(name, 0.0, overlap)
+    return Offloader(device, tier, len(plan.segments), plan.host_bytes)
 
 
 def installed(model: nn.Module) -> tuple[Plan, list[nn.Module]] | None:
@@ -259,8 +323,10 @@ def uninstall(model: nn.Module) -> Plan | None:
         else:
             block.forward = fwd
     state.hook.remove()
-    for h in state.capture_hooks:
+    for h in (*state.capture_hooks, *state.schedule):
         h.remove()
+    if state.offloader is not None:
+        state.offloader.close()  # its buffers and spill files go
     if state.config_use_cache is not _MISSING:
         model.config.use_cache = state.config_use_cache
     object.__delattr__(model, STATE_ATTR)

@@ -28,6 +28,11 @@ class BlockCost:
             (``forward_s`` times those ops' share of the block's op time).
         fwd_start_bytes / fwd_peak_bytes: Live bytes when its forward starts / at its peak.
         bwd_start_bytes / bwd_peak_bytes: The same for its backward.
+        saved_sizes: Bytes of each storage in ``saved_bytes``, largest first, less those the
+            block was passed as arguments besides its first (rotary tables, masks: shared by
+            every block, so moving one block's save frees nothing) — what offloading the
+            block's saved tensors moves (see ``tightfit.checkpoint.plan.offload_sizes``);
+            ``None`` when not measured (then ``saved_bytes`` counts as one storage).
     """
 
     input_bytes: int
@@ -42,6 +47,7 @@ class BlockCost:
     fwd_peak_bytes: int
     bwd_start_bytes: int
     bwd_peak_bytes: int
+    saved_sizes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""Plans: a chain of blocks cut into segments that are stored or checkpointed.
+"""Plans: a chain of blocks cut into segments, each with a placement for its activations.
 
 Every policy ("none", "every", "sqrt", "uniform:k", "budget", "selective") is a :class:`Plan`
 of the same model, so their predicted peaks and recompute costs compare on equal terms
 (see :mod:`tightfit.checkpoint.cost` for the peak model and :mod:`.solver` for "budget").
+A segment's activations stay on the device, go to the next tier (:class:`OffloadTier`) until
+their backward, are recomputed, or are recomputed from an input kept on the next tier.
 """
 
 from __future__ import annotations
@@ -13,18 +15,26 @@ from typing import Literal
 
 from tightfit.checkpoint.chain import Profile
 
-SegmentKind = Literal["stored", "checkpoint", "selective"]
+SegmentKind = Literal["stored", "stored_offload", "checkpoint", "checkpoint_offload",
+                      "selective"]
+KINDS: tuple[str, ...] = ("stored", "stored_offload", "checkpoint", "checkpoint_offload",
+                          "selective")
 PolicyName = Literal["none", "every", "sqrt", "uniform", "budget", "selective"]
 POLICIES = ("none", "every", "sqrt", "uniform:k", "budget", "selective")
+MIN_OFFLOAD_BYTES = 1 << 20
+"""Saved storages smaller than this stay on the device: moving them costs more than it frees."""
 
 
 @dataclass(frozen=True)
 class Segment:
     """Blocks ``start`` .. ``stop - 1`` of the chain, run as one unit.
 
-    ``stored`` keeps every activation (no recompute); ``checkpoint`` keeps only the
-    segment's input and recomputes the segment in backward; ``selective`` is a one-block
-    checkpoint that keeps matmul/attention outputs and recomputes the cheap ops.
+    ``stored`` keeps every activation on the device (no recompute); ``stored_offload`` moves
+    the activations it saves to the next tier after its forward and back before its
+    backward; ``checkpoint`` keeps only the segment's input and recomputes the segment in
+    backward; ``checkpoint_offload`` does the same with the input on the next tier;
+    ``selective`` is a one-block checkpoint that keeps matmul/attention outputs and
+    recomputes the cheap ops.
     """
 
     start: int
@@ -33,6 +43,64 @@ class Segment:
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    @property
+    def recomputes(self) -> bool:
+        """The segment is recomputed in backward (a checkpoint frame)."""
+        return self.kind in ("checkpoint", "checkpoint_offload", "selective")
+
+    @property
+    def offloads(self) -> bool:
+        """Bytes of the segment wait on the next tier until its backward."""
+        return self.kind in ("stored_offload", "checkpoint_offload")
+
+
+@dataclass(frozen=True)
+class OffloadTier:
+    """Where a plan's offloaded bytes go, and what moving them costs.
+
+    Attributes:
+        name: ``"disk"`` (a spill file: the next tier when the device is the CPU) or
+            ``"host"`` (pinned host RAM: the next tier of a CUDA device).
+        bandwidth: Bytes per second of a move one way, out or back (measured once per
+            device and tier, or given; 0: not measured).
+        overlap: Whether moves run beside the compute (CUDA's copy engines); on the CPU the
+            copy thread shares the cores with the compute, so moves are charged whole.
+        min_bytes: Saved storages smaller than this stay on the device.
+        host_budget: Bytes the plan may place on the tier (``None``: no limit).
+        spill_dir: The folder of the disk tier's spill files (``None``: the temp folder).
+        latency_s: Fixed seconds of one move of a segment's bytes, one way (on the disk tier
+            mostly the ``msync``).
+    """
+
+    name: str
+    bandwidth: float
+    overlap: bool
+    min_bytes: int = MIN_OFFLOAD_BYTES
+    host_budget: int | None = None
+    spill_dir: str | None = None
+    latency_s: float = 0.0
+
+
+def offload_sizes(prof: Profile, seg: Segment, min_bytes: int) -> list[int]:
+    """Bytes of each storage ``seg`` places on the next tier (``[]`` if it offloads none).
+
+    ``stored_offload``: what its blocks save for backward (parameters and the tensors a
+    block is passed besides its first argument excluded: they stay alive elsewhere);
+    ``checkpoint_offload``: the segment's input, which the checkpoint frame saves. The
+    chain's own input stays: the model's forward holds it (HF's ``inputs_embeds``), so moving
+    it would free nothing.
+    """
+    if seg.kind == "checkpoint_offload":
+        x = prof.blocks[seg.start].input_bytes
+        return [x] if x >= min_bytes and seg.start > 0 else []
+    if seg.kind != "stored_offload":
+        return []
+    out: list[int] = []
+    for b in prof.blocks[seg.start:seg.stop]:
+        sizes = b.saved_sizes if b.saved_sizes is not None else (b.saved_bytes,)
+        out += [n for n in sizes if n >= min_bytes]
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,13 +111,18 @@ class Plan:
         policy: The policy that produced the plan, e.g. ``"budget"`` or ``"uniform:4"``.
         segments: The chain's segments in forward order (they cover every block once).
         predicted_peak_bytes: Predicted peak bytes a training step (forward + backward)
-            allocates on top of what exists before it; ``None`` without a profile.
+            allocates on the device on top of what exists before it; ``None`` without a
+            profile.
         predicted_recompute_fraction: Predicted recompute time ÷ profiled step time
             (so step time ≈ 1 + this × no-checkpoint step time); ``None`` without a profile.
         budget_bytes: The budget a ``"budget"`` plan was solved for.
-        offload: Checkpointed segment inputs wait on the host (CUDA only).
-        notes: Things the caller should know (e.g. offload being a no-op on the CPU).
+        notes: Things the caller should know.
         profile: The measurements behind the prediction.
+        tier: Where offloaded segments put their bytes (``None`` when none offloads).
+        host_bytes: Predicted bytes the offloaded segments take on that tier at once (page
+            rounded): what the host (or the spill folder's disk) must hold.
+        predicted_move_fraction: Predicted time of the moves not hidden behind compute ÷
+            profiled step time; ``None`` without a profile.
     """
 
     policy: str
@@ -57,9 +130,11 @@ class Plan:
     predicted_peak_bytes: int | None = None
     predicted_recompute_fraction: float | None = None
     budget_bytes: int | None = None
-    offload: bool = False
     notes: tuple[str, ...] = ()
     profile: Profile | None = field(default=None, repr=False, compare=False)
+    tier: OffloadTier | None = None
+    host_bytes: int = 0
+    predicted_move_fraction: float | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -67,12 +142,19 @@ class Plan:
 
     @property
     def checkpointed_blocks(self) -> int:
-        return sum(len(s) for s in self.segments if s.kind != "stored")
+        """Blocks recomputed in backward."""
+        return sum(len(s) for s in self.segments if s.recomputes)
+
+    @property
+    def offload(self) -> bool:
+        """Whether any segment places bytes on the next tier."""
+        return any(s.offloads for s in self.segments)
 
     def __str__(self) -> str:
         mib = 1024 * 1024
         lines = [f"checkpoint plan: policy={self.policy}, {self.num_blocks} blocks, "
-                 f"{sum(s.kind != 'stored' for s in self.segments)} checkpointed segments"]
+                 f"{sum(s.recomputes for s in self.segments)} checkpointed segments, "
+                 f"{sum(s.offloads for s in self.segments)} offloaded"]
         if self.budget_bytes is not None:
             lines.append(f"  budget               {self.budget_bytes / mib:10.1f} MiB")
         if self.predicted_peak_bytes is not None:
@@ -80,25 +162,45 @@ class Plan:
         if self.predicted_recompute_fraction is not None:
             lines.append(f"  predicted recompute  {100 * self.predicted_recompute_fraction:9.1f} % "
                          "of a step")
-        prof = self.profile
-        header = f"  {'blocks':>9}  {'kind':<10}"
-        if prof is not None:
-            header += f"  {'input MiB':>9}  {'saved MiB':>9}  {'fwd ms':>8}"
-        lines.append(header)
-        for s in self.segments:
-            row = f"  {s.start:>4}-{s.stop - 1:<4}  {s.kind:<10}"
-            if prof is not None:
-                saved = sum(prof.blocks[i].saved_bytes for i in range(s.start, s.stop))
-                ms = 1e3 * sum(prof.blocks[i].forward_s for i in range(s.start, s.stop))
-                row += (f"  {prof.blocks[s.start].input_bytes / mib:9.2f}  {saved / mib:9.2f}"
-                        f"  {ms:8.2f}")
-            lines.append(row)
-        if prof is not None:
-            lines.append(f"  {'tail':>9}  {'stored':<10}  {'':>9}  "
-                         f"{prof.tail_saved_bytes / mib:9.2f}  {1e3 * prof.tail_forward_s:8.2f}"
-                         "   (head + loss after the chain)")
+        lines.extend(self._tier_lines())
+        lines.extend(self._segment_lines())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _tier_lines(self) -> list[str]:
+        if self.tier is None or not self.offload:
+            return []
+        mib, t = 1024 * 1024, self.tier
+        allowed = "" if t.host_budget is None else f" of {t.host_budget / mib:.1f} MiB allowed"
+        lines = [f"  next tier ({t.name:<4})     {self.host_bytes / mib:10.1f} MiB{allowed}; "
+                 f"{t.bandwidth / 1e9:.2f} GB/s + {1e3 * t.latency_s:.2f} ms a move, "
+                 f"{'overlapped with compute' if t.overlap else 'not overlapped'}"]
+        if self.predicted_move_fraction is not None:
+            lines.append(f"  predicted moves      {100 * self.predicted_move_fraction:9.1f} % "
+                         "of a step (not hidden behind compute)")
+        return lines
+
+    def _segment_lines(self) -> list[str]:
+        mib, prof = 1024 * 1024, self.profile
+        min_bytes = self.tier.min_bytes if self.tier is not None else MIN_OFFLOAD_BYTES
+        header = f"  {'blocks':>9}  {'kind':<18}"
+        if prof is not None:
+            header += f"  {'input MiB':>9}  {'saved MiB':>9}  {'moved MiB':>9}  {'fwd ms':>8}"
+        lines = [header]
+        for s in self.segments:
+            row = f"  {s.start:>4}-{s.stop - 1:<4}  {s.kind:<18}"
+            if prof is not None:
+                saved = sum(prof.blocks[i].saved_bytes for i in range(s.start, s.stop))
+                moved = sum(offload_sizes(prof, s, min_bytes))
+                ms = 1e3 * sum(prof.blocks[i].forward_s for i in range(s.start, s.stop))
+                row += (f"  {prof.blocks[s.start].input_bytes / mib:9.2f}  {saved / mib:9.2f}"
+                        f"  {moved / mib:9.2f}  {ms:8.2f}")
+            lines.append(row)
+        if prof is not None:
+            lines.append(f"  {'tail':>9}  {'stored':<18}  {'':>9}  "
+                         f"{prof.tail_saved_bytes / mib:9.2f}  {0:9.2f}  "
+                         f"{1e3 * prof.tail_forward_s:8.2f}   (head + loss after the chain)")
+        return lines
 
 
 def parse_policy(policy: str) -> tuple[PolicyName, int | None]:
@@ -143,3 +245,9 @@ def structural_segments(name: PolicyName, k: int | None, n: int) -> tuple[Segmen
         assert k is not None
         return uniform_segments(n, k)
     raise ValueError(f"policy {name!r} needs a profile; use the solver.")
+
+
+def offload_inputs(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """``offload=True``: every checkpointed segment's input waits on the next tier."""
+    return tuple(Segment(s.start, s.stop, "checkpoint_offload") if s.kind == "checkpoint" else s
+                 for s in segments)

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from tightfit.checkpoint import apply
 from tightfit.checkpoint.blocks import resolve_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
+from tightfit.checkpoint.offload import shared_storages
 from tightfit.checkpoint.selective import SAVED_OPS
 from tightfit.measure.tracker import MemoryTracker
 
@@ -163,6 +164,7 @@ class _MemoryHooks:
         self.saved: dict[int, tuple[int, int]] = {}  # storage ptr -> (block, nbytes)
         self.skip = skip  # parameter and buffer storages: saved, but not activations
         self.inputs: list[tuple[int, int]] = [(0, 0)] * n  # (ptr, nbytes) of each block's input
+        self.shared: list[set[int]] = [set() for _ in range(n)]  # its other tensor arguments
         self.packs = [0] * (n + 2)  # tensors saved per block (index -1 = prefix, n = tail)
         self.fwd: dict[int, int] = {}  # block -> live bytes when its forward starts
         self.bwd: dict[int, int] = {}  # block -> live bytes when its backward starts
@@ -183,6 +185,7 @@ class _MemoryHooks:
             x = _first_tensor((args, kwargs))
             if x is not None:
                 self.inputs[i] = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
+            self.shared[i] = shared_storages((args, kwargs), first_block=i == 0)
         return hook
 
     def post(self, i: int):
@@ -258,6 +261,8 @@ def _memory_summary(hooks: _MemoryHooks, recorder: _OpRecorder,
             "fwd_peak_bytes": peaks[f"fwd{i}"],
             "bwd_start_bytes": bwd_vals[i][0],
             "bwd_peak_bytes": bwd_vals[i][1],
+            "saved_sizes": tuple(sorted((nb for p, nb in mine.items()
+                                         if p not in hooks.shared[i]), reverse=True)),
         })
     return {
         "blocks": per_block,

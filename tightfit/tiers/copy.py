@@ -183,6 +183,31 @@ class CopyEngine:
         happen between steps, where nothing is left to overlap with: see ``PageStore``)."""
         dst.copy_(src)
 
+    # -- one-way moves of bytes that live on one tier at a time (offloaded activations) ----
+    def offload(self, src: torch.Tensor, home: torch.Tensor) -> object:
+        """Start moving ``src`` (bytes on the device) out to ``home`` (a region of the next
+        tier). Keep ``src`` alive until :meth:`retire`.
+
+        Returns:
+            A handle for :meth:`retire`.
+        """
+        return self._pool.submit(home.copy_, src)
+
+    def retire(self, handle: object) -> float:
+        """Return once an :meth:`offload` can no longer read its source, so the source's
+        memory may be reused; returns the seconds the caller was blocked."""
+        return self.wait(handle)
+
+    def fetch(self, home: torch.Tensor, dst: torch.Tensor) -> object:
+        """Start copying ``home`` back into ``dst`` (device memory just allocated for it);
+        :meth:`wait` makes ``dst`` usable."""
+        return self._pool.submit(dst.copy_, home)
+
+    def then(self, fn: Callable[[], object]) -> CopyTask:
+        """Run ``fn`` on the copy thread once the copies queued so far are done (the disk
+        tier hands written pages back to the OS there); ``.result()`` waits for it."""
+        return self._pool.submit(fn)
+
     def drain(self) -> float:
         """Wait for every write-back (re-raising a failed one); returns seconds blocked.
 
@@ -285,6 +310,37 @@ class CudaCopyEngine(CopyEngine):
 
         self._pending.append(self._pool.submit(write))
 
+    def offload(self, src: torch.Tensor, home: torch.Tensor) -> object:
+        if not home.is_pinned():
+            raise ValueError("CudaCopyEngine.offload moves device bytes to pinned host memory; "
+                             "allocate the home with pin_memory=True")
+        return ("event", self._after_compute(lambda: home.copy_(src, non_blocking=True)))
+
+    def retire(self, handle: object) -> float:
+        # The compute stream waits for the copy on the GPU: memory the source frees is only
+        # reused by kernels queued after it. The host does not block.
+        return self.wait(handle)
+
+    def fetch(self, home: torch.Tensor, dst: torch.Tensor) -> object:
+        return ("event", self._after_compute(lambda: dst.copy_(home, non_blocking=True)))
+
+    def then(self, fn: Callable[[], object]) -> CopyTask:
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return self._pool.submit(_wait_then, done, fn)
+
+    def _after_compute(self, copy: Callable[[], object]) -> object:
+        """Run ``copy`` on the side stream after the compute queued so far (it made the
+        source, or last used the memory a fresh ``dst`` reuses); return the event after it."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            copy()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
     def drain(self) -> float:
         # Only host-side writes need waiting for; stream-ordered copies stay asynchronous.
         return super().drain()
@@ -308,3 +364,7 @@ class CudaCopyEngine(CopyEngine):
             super().close()
             self._staging.clear()
 
+
+def _wait_then(event: object, fn: Callable[[], object]) -> None:
+    event.synchronize()  # type: ignore[attr-defined]
+    fn()

@@ -4,8 +4,9 @@ On a CPU-only machine the device and the host are one place, so the next tier is
 a file per owner (a param group of a paged optimizer, or a run of offloaded activations),
 mapped ``MAP_SHARED`` so that written bytes can be handed back to the OS
 (:meth:`SpillArea.release`). Disk blocks are reserved (``posix_fallocate``) for the ranges that
-will hold bytes before anything is written there (:meth:`SpillArea.commit`), so a full disk
-is an ``OSError``, not a bus error; the rest of a file stays sparse and costs nothing.
+will hold bytes before anything is written there (:meth:`SpillArea.commit`,
+:meth:`SpillArea.allocate`), so a full disk is an ``OSError``, not a bus error; the rest of a
+file stays sparse and costs nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import mmap
 import os
 import shutil
 import sys
@@ -52,6 +54,7 @@ def check_spill_dir(spill_dir: str | os.PathLike | None) -> None:
 
 _MS_SYNC = 4  # <sys/mman.h> on Linux
 _MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
 
 
 def _fallocate(fd: int, offset: int, nbytes: int) -> None:
@@ -73,6 +76,23 @@ def _libc() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int
     return libc
+
+
+def release_range(view: torch.Tensor) -> None:
+    """``msync`` + ``madvise(MADV_DONTNEED)`` the whole pages of a spill map ``view`` covers.
+
+    The data stays in the file (read back on the next access) and leaves this process's RSS;
+    see :meth:`SpillArea.release`. Partial pages at either end are left alone (a neighbour
+    may be using them). Linux only; a no-op elsewhere.
+    """
+    libc = _libc()
+    if libc is None or view.numel() == 0:
+        return
+    start, end = view.data_ptr(), view.data_ptr() + view.numel()
+    first = -(-start // _PAGE) * _PAGE
+    length = (end // _PAGE) * _PAGE - first
+    if length > 0 and libc.msync(first, length, _MS_SYNC) == 0:
+        libc.madvise(first, length, _MADV_DONTNEED)
 
 
 class SpillArea:
@@ -182,6 +202,17 @@ class SpillArea:
                 "it (a cleaner, another process); that state is lost",
                 self._path(group),
             )
+
+    def allocate(self, group: int, nbytes: int) -> torch.Tensor:
+        """A group's spill file of ``nbytes``, reserved on disk whole (:meth:`commit`) and
+        mapped: a region pool's chunk (offloaded activations fill it over and over).
+
+        Raises:
+            OSError: as :meth:`commit` (``ENOSPC``: no room); nothing is left behind.
+        """
+        self.reserve(group, nbytes)
+        self.commit(group, 0, nbytes)
+        return self.region(group, 0, nbytes)
 
     def region(self, group: int, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 view of ``nbytes`` of the group's spill file, mapping it on first use."""

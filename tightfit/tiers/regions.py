@@ -1,0 +1,275 @@
+"""Regions of the next tier, handed out and taken back: offloaded activations' homes.
+
+A :class:`RegionPool` cuts *chunks* of a tier — a spill file reserved on disk (the next tier
+when the device is the CPU) or a pinned host buffer (when it is CUDA) — into page-aligned
+regions, first fit, and coalesces them when they come back. A training step offloads the same
+tensors every step and takes every region back before the next, so after the first step the
+pool never grows: no allocation of host buffers per step. A tier that runs out of room raises
+:class:`TierFullError`, naming the tier, the place and the bytes, before anything is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tightfit.measure import tracker
+from tightfit.tiers.copy import CopyEngine
+from tightfit.tiers.spill import SpillArea, release_range
+
+PAGE = mmap.PAGESIZE
+
+
+class TierFullError(OSError):
+    """The next tier has no room for bytes asked of it; free space there and rerun the step."""
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what a region of that size takes)."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+@dataclass
+class Region:
+    """``view``: ``nbytes`` (uint8) at ``offset`` of chunk ``chunk``, page aligned."""
+
+    chunk: int
+    offset: int
+    size: int  # page-rounded bytes taken from the chunk
+    view: torch.Tensor
+
+
+class RegionPool:
+    """Page-aligned regions of a tier's chunks, reused across steps.
+
+    Args:
+        tier: ``"disk"`` or ``"host"``, for messages.
+        make_chunk: ``make_chunk(index, nbytes)`` → a uint8 tensor of ``nbytes`` (raises
+            :class:`TierFullError` when the tier cannot hold it).
+        grow_bytes: Size of the first chunk (the plan's predicted host bytes), at least.
+        limit_bytes: Most bytes the pool may take on the tier (the host budget), or ``None``.
+        where: The place, for messages (the spill folder, "pinned host memory").
+    """
+
+    def __init__(self, tier: str, make_chunk: Callable[[int, int], torch.Tensor],
+                 grow_bytes: int, limit_bytes: int | None, where: str) -> None:
+        self.tier, self.where = tier, where
+        self._make = make_chunk
+        self._grow = aligned(max(grow_bytes, PAGE))
+        self.limit_bytes = limit_bytes
+        self._chunks: list[torch.Tensor] = []
+        self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, size)
+        self._lock = threading.Lock()
+        self.chunks_made = 0
+        self.used_bytes = 0
+        self.peak_used_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of all chunks made."""
+        return sum(c.numel() for c in self._chunks)
+
+    def take(self, nbytes: int) -> Region:
+        """A region of at least ``nbytes``; a new chunk when none has room.
+
+        Raises:
+            TierFullError: The host budget or the tier itself cannot hold another chunk.
+        """
+        size = aligned(max(nbytes, 1))
+        with self._lock:
+            for c, free in enumerate(self._free):
+                for k, (off, n) in enumerate(free):
+                    if n >= size:
+                        free[k:k + 1] = [(off + size, n - size)] if n > size else []
+                        return self._handed(c, off, size, nbytes)
+            c = self._new_chunk(size)
+            if size < self._chunks[c].numel():
+                self._free[c].append((size, self._chunks[c].numel() - size))
+            return self._handed(c, 0, size, nbytes)
+
+    def _new_chunk(self, size: int) -> int:
+        chunk = max(size, self._grow if not self._chunks else max(size, self._grow // 4))
+        if self.limit_bytes is not None and self.capacity_bytes + chunk > self.limit_bytes:
+            chunk = size  # a smaller chunk may still fit the budget
+            if self.capacity_bytes + chunk > self.limit_bytes:
+                raise TierFullError(
+                    errno.ENOSPC,
+                    f"offload tier '{self.tier}' ({self.where}): {size} more bytes would pass "
+                    f"its budget of {self.limit_bytes} bytes ({self.capacity_bytes} in use). "
+                    "Raise host_budget, or lower the device budget's need for offload; the "
+                    "step can be rerun")
+        self._chunks.append(self._make(len(self._chunks), chunk))
+        self._free.append([])
+        self.chunks_made += 1
+        return len(self._chunks) - 1
+
+    def _handed(self, chunk: int, offset: int, size: int, nbytes: int) -> Region:
+        self.used_bytes += size
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        return Region(chunk, offset, size, self._chunks[chunk][offset:offset + nbytes])
+
+    def give(self, region: Region) -> None:
+        """Take ``region`` back (its bytes may be overwritten from now on)."""
+        with self._lock:
+            if region.chunk >= len(self._free):
+                return  # the pool was closed since
+            self.used_bytes -= region.size
+            free = self._free[region.chunk]
+            free.append((region.offset, region.size))
+            free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, n in free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((off, n))
+            free[:] = merged
+
+    def covering(self, regions: list[Region]) -> list[torch.Tensor]:
+        """Per chunk, one view from the first to the end of the last of ``regions`` (whole
+        pages): what one release call hands back for all of them."""
+        spans: dict[int, tuple[int, int]] = {}
+        for r in regions:
+            lo, hi = spans.get(r.chunk, (r.offset, r.offset + r.size))
+            spans[r.chunk] = (min(lo, r.offset), max(hi, r.offset + r.size))
+        with self._lock:
+            return [self._chunks[c][lo:hi] for c, (lo, hi) in spans.items()
+                    if c < len(self._chunks)]
+
+    def close(self) -> None:
+        """Forget every chunk (their owner frees them: the spill area's close, or the last
+        view of a pinned buffer going)."""
+        with self._lock:
+            self._chunks.clear()
+            self._free.clear()
+            self.used_bytes = 0
+
+
+def disk_pool(spill: SpillArea, grow_bytes: int, limit_bytes: int | None) -> RegionPool:
+    """Regions of spill files reserved on disk whole (``SpillArea.allocate``)."""
+
+    def make(index: int, nbytes: int) -> torch.Tensor:
+        try:
+            return spill.allocate(index, nbytes)
+        except OSError as exc:
+            raise TierFullError(
+                errno.ENOSPC,
+                f"offload tier 'disk' (spill folder {spill.location}) has no room for {nbytes} "
+                f"bytes of offloaded activations ({_free_disk(spill.location)} bytes free; "
+                f"{exc.strerror or exc}). Free space there or pass spill_dir= a folder with "
+                "room; the step can be rerun") from exc
+
+    return RegionPool("disk", make, grow_bytes, limit_bytes, spill.location)
+
+
+def pinned_pool(grow_bytes: int, limit_bytes: int | None) -> RegionPool:
+    """Regions of pinned host buffers (the next tier of a CUDA device)."""
+
+    def make(index: int, nbytes: int) -> torch.Tensor:
+        try:
+            # the host tier, not memory a step allocates on the device: not counted
+            with tracker.not_counted():
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            raise TierFullError(
+                errno.ENOMEM,
+                f"offload tier 'host' (pinned host memory) could not pin {nbytes} bytes of "
+                f"offloaded activations ({exc}). Lower host_budget, free host memory, or "
+                "offload less; the step can be rerun") from exc
+
+    return RegionPool("host", make, grow_bytes, limit_bytes, "pinned host memory")
+
+
+def _free_disk(folder: str | None) -> int:
+    try:
+        return shutil.disk_usage(folder or tempfile.gettempdir()).free
+    except OSError:
+        return 0
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def tier_capacity(tier: str, spill_dir: str | os.PathLike | None = None) -> int:
+    """Bytes the next tier can take now: free disk of the spill folder, or host RAM to pin.
+
+    Pinning is bounded by what is free (``MemAvailable``), and on WSL by half the RAM
+    (CUDA's pinned-memory limit there); other platforms get what is available.
+    """
+    if tier == "disk":
+        return _free_disk(None if spill_dir is None else str(spill_dir))
+    info = _meminfo()
+    avail = info.get("MemAvailable")
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
+    if "microsoft" in _kernel_release().lower() and "MemTotal" in info:
+        avail = min(avail, info["MemTotal"] // 2)
+    return int(avail)
+
+
+def _kernel_release() -> str:
+    return os.uname().release if hasattr(os, "uname") and sys.platform != "win32" else ""
+
+
+def measure_tier(engine: CopyEngine, pool: RegionPool, device: torch.device,
+                 nbytes: int = 8 << 20) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of one-way moves through ``engine`` to ``pool``'s tier.
+
+    Round trips of 4 KiB (the latency: best of three) and of ``nbytes`` (the bandwidth, net
+    of the latency), as an offloaded activation pays them: the write out (on the disk tier:
+    to the page cache, then ``msync`` and ``MADV_DONTNEED``, so the bytes really leave RAM)
+    and the read back.
+    """
+    small = min(_round_trip(engine, pool, device, PAGE) for _ in range(3)) / 2
+    big = _round_trip(engine, pool, device, nbytes) / 2
+    return nbytes / max(big - small, 1e-9), small
+
+
+def _round_trip(engine: CopyEngine, pool: RegionPool, device: torch.device,
+                nbytes: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    region = pool.take(nbytes)
+
+    def release() -> None:
+        if pool.tier == "disk":
+            release_range(region.view)
+
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.retire(engine.offload(src, region.view))
+        engine.then(release).result()
+        engine.wait(engine.fetch(region.view, dst))
+        engine.then(release).result()
+        _sync(device)
+        return time.perf_counter() - t0
+    finally:
+        pool.give(region)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

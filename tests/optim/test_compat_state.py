@@ -11,6 +11,7 @@ import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdamW8bit
+from tightfit.optim.lion import PagedLion8bit
 from tightfit.optim.param_state import ParamState
 from tightfit.optim.sgd import PagedSGD
 
@@ -146,6 +147,26 @@ def test_state_mapping_survives_deepcopy_pickle_and_state_dicts() -> None:
     assert other.state[other.param_groups[0]["params"][0]]["note"] == "mine"
     for c in (opt, other):
         c.close()
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_8bit_lion_state_reads_as_bitsandbytes_names(budget) -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    ref = torch.randn(64, 130)
+    ours = ref.clone()
+    ref_opt = bnb.optim.Lion8bit([ref], lr=1e-4)
+    kw = {"page_bytes": 8192, "device_budget": 8192} if budget == "disk" else {}
+    opt = PagedLion8bit([ours], lr=1e-4, **kw)
+    for _ in range(3):
+        ref.grad = torch.randn(ref.shape)
+        ours.grad = ref.grad.clone()
+        ref_opt.step()
+        opt.step()
+    st, rst = opt.state[ours], ref_opt.state[ref]
+    assert set(st) == {"step", "state1", "absmax1", "qmap1"}
+    for name in ("state1", "absmax1", "qmap1"):
+        assert torch.equal(st[name].reshape(-1), rst[name].reshape(-1)), name
+    opt.close()
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))

@@ -66,15 +66,18 @@ def test_bad_models(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_seven_b_on_24gib() -> None:
-    report = tightfit.plan("llama-2-7b", "24GiB", seq_len=2048, batch=1)
+    report = tightfit.plan("llama-2-7b", "24GiB", seq_len=2048, batch_size=1)
     rows = {r.name: r for r in report.rows}
     bf16, qlora = rows["bf16 LoRA"], rows["NF4+DQ LoRA (QLoRA)"]
     # 7B in bf16 is 12.6 GiB of weights; NF4 is a quarter of the linears
     assert bf16.estimate.weights == pytest.approx(6.74e9 * 2, rel=0.01)
     assert qlora.estimate.weights < 0.3 * bf16.estimate.weights
     assert qlora.estimate.constants < rows["NF4 LoRA"].estimate.constants / 3
+    room = report.gpu_bytes - report.margin_bytes
+    assert report.margin_bytes > 0
     for r in report.rows:
-        assert r.fits == (r.estimate.total <= report.gpu_bytes)
+        assert r.fits == (r.estimate.total <= room)  # the margin stays free
+        assert r.tight == (room < r.estimate.total <= report.gpu_bytes)
     assert not bf16.fits and rows["QLoRA + ckpt every"].fits
     rec = report.recommended
     assert rec is not None and rec.fits
@@ -93,7 +96,7 @@ def test_recommendation_follows_the_gpu() -> None:
 
 
 def test_budget_row_uses_the_room_left() -> None:
-    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch=2)
+    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch_size=2)
     row = next(r for r in report.rows if r.setup.checkpoint == "budget")
     assert row.fits
     e = row.estimate
@@ -105,7 +108,7 @@ def test_budget_row_uses_the_room_left() -> None:
 def test_cli_json_and_errors(capsys) -> None:  # noqa: ANN001
     assert main(["plan", "--model", "mistral-7b", "--gpu", "24GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["model"]["kv_heads"] == 8 and len(out["rows"]) == 10
+    assert out["model"]["kv_heads"] == 8 and len(out["rows"]) == 11
     assert out["recommended"] in {r["name"] for r in out["rows"]}
     row = out["rows"][0]
     assert row["total_bytes"] == sum(row["pieces_bytes"].values())
@@ -137,7 +140,8 @@ def test_cli_verify_small_config(tmp_path, capsys) -> None:  # noqa: ANN001
            "vocab_size": 256, "max_position_embeddings": 128}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     argv = ["plan", "--model", str(tmp_path), "--gpu", "64MiB", "--overhead", "0",
-            "--seq-len", "16", "--batch", "2", "--lora-r", "4", "--verify", "--json"]
+            "--seq-len", "16", "--batch-size", "2", "--lora-r", "4", "--margin", "0",
+            "--verify", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [v["name"] for v in out["verify"]] == [r["name"] for r in out["rows"]]
@@ -150,7 +154,7 @@ def test_train_args_parse_as_tightfit_train_options() -> None:
     from tightfit.cli import build_parser
     from tightfit.train.cli import config_from_args
 
-    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch=2)
+    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch_size=2)
     for row in report.rows:
         args = build_parser().parse_args(["train", *row.train_args])
         cfg = config_from_args(args)
@@ -162,3 +166,4 @@ def test_train_args_parse_as_tightfit_train_options() -> None:
                                                  else None)
         assert cfg.prepare.loss_chunks == s.loss_chunk_tokens
         assert cfg.optimizer.kind == s.optimizer
+        assert (cfg.lora.dtype, cfg.lora.dropout) == (s.adapter_dtype, s.lora_dropout)

@@ -126,8 +126,8 @@ def _sizing(gpu: int, host: str = "1TiB") -> Sizing:
 @pytest.mark.parametrize("granularity", [1, 64])
 def test_max_seq_fits_and_one_step_more_does_not(granularity: int) -> None:
     gpu = 48 * 2**20
-    report = plan(SMALL, gpu, overhead=0, slack=0.0, host_ram="1TiB", maximize="seq",
-                  granularity=granularity)
+    report = plan(SMALL, gpu, overhead=0, slack=0.0, margin=0, host_ram="1TiB",
+                  maximize="seq", granularity=granularity)
     sizing = _sizing(gpu)
     found = 0
     for rung, row in zip(ladder(TrainSetup()), report.rows):
@@ -151,8 +151,8 @@ def test_max_seq_fits_and_one_step_more_does_not(granularity: int) -> None:
 
 
 def test_max_batch() -> None:
-    report = plan(SMALL, "48MiB", seq_len=256, overhead=0, slack=0.0, host_ram="1TiB",
-                  maximize="batch")
+    report = plan(SMALL, "48MiB", seq_len=256, overhead=0, slack=0.0, margin=0,
+                  host_ram="1TiB", maximize="batch")
     sizing = _sizing(48 * 2**20)
     for rung, row in zip(ladder(TrainSetup()), report.rows):
         if row.maximum:
@@ -175,7 +175,7 @@ def test_host_budget_refuses_offload_rows() -> None:
     report = plan(SMALL, "1GiB", seq_len=2048, host_ram="2MiB", overhead=0)
     for row in report.rows:
         assert row.fits_host == (row.estimate.host <= 2**19)
-        assert row.fits == (row.fits_device and row.fits_host)
+        assert row.fits == (row.fits_device and row.fits_host and not row.tight)
         if row.estimate.host_activations:  # every row whose plan offloads an input
             assert row.fits_device and not row.fits_host and not row.fits
     assert sum(not r.fits_host for r in report.rows) >= 2
@@ -231,7 +231,7 @@ def test_cli_max_seq_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["maximize"] == "seq" and out["granularity"] == 256
     assert out["host"]["budget_bytes"] == 128 * 2**30
     rows = {r["name"]: r for r in out["rows"]}
-    assert len(rows) == 10
+    assert len(rows) == 11
     for r in rows.values():
         assert r["maximum"] % 256 == 0 and r["setup"]["seq_len"] == r["maximum"]
         assert r["fits"] and r["fits_device"] and r["fits_host"] and r["limit"] == "device"

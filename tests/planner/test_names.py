@@ -93,7 +93,7 @@ def test_budget_plan_and_its_json() -> None:
     assert segs[-1].stop == SMALL.layers
     assert {s.kind for s in segs} == {"stored", "checkpoint"}
     # docs/plan.md: checkpoint_segments is [start, stop, checkpointed] per segment
-    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch=2)
+    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch_size=2)
     row = next(r for r in report.rows if r.setup.checkpoint == "budget")
     out = json.loads(json.dumps(report.to_dict()))
     listed = out["rows"][report.rows.index(row)]["checkpoint_segments"]

@@ -38,9 +38,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tightfit.planner.attention import attention_saved_bytes, eager_backward_bytes
+from tightfit.planner.moe import expert_backward_bytes, expert_saved_bytes
+from tightfit.planner.shapes import MLP_WEIGHTS
+
 if TYPE_CHECKING:
-    from tightfit.planner.presets import ModelShape
     from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.shapes import ModelShape
 
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.
 BWD_I = 2.0
@@ -53,18 +57,21 @@ BWD_H16 = 2.5
 # adapters share the compute dtype, part of the MLP)
 def _groups(shape: ModelShape) -> tuple[tuple[tuple[str, ...], int, bool, bool], ...]:
     h, i, q = shape.hidden, shape.intermediate, shape.q_size
-    return (
-        (("q_proj", "k_proj", "v_proj"), h, True, False),
-        (("o_proj",), q, False, False),  # the SDPA output is already saved
-        (("gate_proj", "up_proj"), h, True, True),
-        (("down_proj",), i, True, True),
-    )
+    if shape.traits.fused:  # Phi-3: one qkv_proj, one gate_up_proj
+        attn: tuple[tuple[tuple[str, ...], int, bool, bool], ...] = (
+            (("qkv_proj",), h, True, False), (("o_proj",), q, False, False))
+        mlp = ((("gate_up_proj",), h, True, True), (("down_proj",), i, True, True))
+    else:
+        attn = ((("q_proj", "k_proj", "v_proj"), h, True, False),
+                (("o_proj",), q, False, False))  # the SDPA output is already saved
+        mlp = ((("gate_proj", "up_proj"), h, True, True), (("down_proj",), i, True, True))
+    return attn if shape.is_moe else attn + mlp
 
 
 def _adapter_input_bytes(setup: TrainSetup, names: tuple[str, ...], width: int,
                          needs_copy: bool, tokens: int) -> int:
     """What the adapters of one group save of their input, for ``tokens`` tokens."""
-    hit = [n for n in names if n in setup.lora_targets]
+    hit = [n for n in names if setup.adapts(n)]
     if not hit:
         return 0
     d, a = setup.d, setup.a
@@ -78,33 +85,45 @@ def _adapter_input_bytes(setup: TrainSetup, names: tuple[str, ...], width: int,
 
 
 def mlp_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
-    """What an (untiled) SwiGLU MLP with its adapters saves for ``tokens`` tokens."""
-    total = 3 * tokens * shape.intermediate * setup.d  # gate, up, silu(gate)
+    """What an (untiled) MLP with its adapters saves for ``tokens`` tokens: a gated MLP's
+    gate, up and act(gate) (3·T·i·d; Phi-3's fused gate_up the same), or a MoE layer's
+    experts and router (:mod:`tightfit.planner.moe`)."""
+    if shape.is_moe:
+        return expert_saved_bytes(shape, setup, tokens)
+    total = 3 * tokens * shape.intermediate * setup.d  # gate, up, act(gate)
     for names, width, needs_copy, mlp in _groups(shape):
         if mlp:
             total += _adapter_input_bytes(setup, names, width, needs_copy, tokens)
-            total += sum(tokens * setup.lora_r * setup.a for n in names if n in setup.lora_targets)
+            total += sum(tokens * setup.lora_r * setup.a for n in names if setup.adapts(n))
     return total
 
 
-def layer_saved_bytes(shape: ModelShape, setup: TrainSetup, *, first: bool = False) -> int:
+def norm_bytes(shape: ModelShape, setup: TrainSetup, norms: int) -> int:
+    """``norms`` RMSNorms' saved fp32 input and rsqrt (Gemma's also its fp32 1 + weight)."""
+    t, h = setup.tokens, shape.hidden
+    plus_one = h * 4 if shape.family.startswith("gemma") else 0
+    return norms * (t * h * 4 + t * 4 + plus_one)
+
+
+def layer_saved_bytes(shape: ModelShape, setup: TrainSetup, *, first: bool = False,
+                      layer: int | None = None) -> int:
     """Bytes one decoder layer saves for backward (see the module docstring).
 
-    With a tiled MLP the MLP keeps only its input (T·h·d); its intermediates live one tile
-    at a time in backward (:func:`backward_transient_bytes`).
+    ``layer`` picks the layer (its attention type; default: the first layer when ``first``,
+    else the second); the first layer's input norm saves nothing (the embedding needs no
+    grad). With a tiled MLP the MLP keeps only its input (T·h·d); its intermediates live
+    one tile at a time in backward (:func:`backward_transient_bytes`).
     """
-    t, d, a, r = setup.tokens, setup.d, setup.a, setup.lora_r
-    h = shape.hidden
-    q, kv = shape.q_size, shape.kv_size
-    norms = 1 if first else 2
-    total = norms * (t * h * 4 + t * 4)
-    # attention (SDPA flash / efficient): q, k, v, out, logsumexp
-    total += t * (2 * q + 2 * kv) * d + setup.batch * shape.heads * setup.seq_len * 4
+    layer = (0 if first else min(1, shape.layers - 1)) if layer is None else layer
+    t, a, r = setup.tokens, setup.a, setup.lora_r
+    norms = shape.traits.norms - (1 if layer == 0 else 0)
+    total = norm_bytes(shape, setup, norms) + attention_saved_bytes(shape, setup, layer)
     for names, width, needs_copy, mlp in _groups(shape):
         if not mlp:
             total += _adapter_input_bytes(setup, names, width, needs_copy, t)
-            total += sum(t * r * a for n in names if n in setup.lora_targets)
-    total += t * h * d if setup.mlp_tile is not None else mlp_saved_bytes(shape, setup, t)
+            total += sum(t * r * a for n in names if setup.adapts(n))
+    tiled = setup.mlp_tile is not None
+    total += t * shape.hidden * setup.d if tiled else mlp_saved_bytes(shape, setup, t)
     return total
 
 
@@ -121,7 +140,7 @@ def _dequant_moment(shape: ModelShape, setup: TrainSetup) -> int:
     d, tile = setup.d, setup.mlp_tile_tokens
     moments = []
     for name, (fi, fo) in shape.linear_shapes().items():
-        tokens = tile if name in ("gate_proj", "up_proj", "down_proj") else setup.tokens
+        tokens = tile if name in MLP_WEIGHTS else setup.tokens
         moments.append(fi * fo * d + tokens * (fi + fo) * d)
     return max(moments)
 
@@ -141,8 +160,8 @@ def tiled_mlp_backward_bytes(shape: ModelShape, setup: TrainSetup, tile: int) ->
     if d != 4:
         one += BWD_H16 * tile * h * 4
     linears = shape.linear_shapes()
-    params = sum(setup.lora_r * sum(linears[n]) for n in ("gate_proj", "up_proj", "down_proj")
-                 if n in setup.lora_targets)
+    params = sum(setup.lora_r * sum(linears[n]) for n in MLP_WEIGHTS
+                 if n in linears and setup.adapts(n))
     return int(one + t * h * d + 2 * 4 * params)
 
 
@@ -170,11 +189,16 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """
     t, d = setup.tokens, setup.d
     h16 = BWD_H16 * t * shape.hidden * 4 if d != 4 else 0
-    if setup.mlp_tile is None:
+    if shape.is_moe:
+        moments = [expert_backward_bytes(shape, setup) + h16,
+                   attention_backward_bytes(shape, setup)]
+    elif setup.mlp_tile is None:
         moments = [BWD_I * t * shape.intermediate * d + 3 * t * setup.lora_r * setup.a + h16]
     else:
         moments = [tiled_mlp_backward_bytes(shape, setup, setup.mlp_tile_tokens),
                    attention_backward_bytes(shape, setup)]
+    if shape.eager_attention:
+        moments.append(eager_backward_bytes(shape, setup) + h16)
     dequant = _dequant_moment(shape, setup)
     if dequant:
         moments.append(dequant + h16)
@@ -193,14 +217,17 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     ``tests/loss/test_sizing.py``.
     """
     t, v, d = setup.tokens, shape.vocab, setup.d
+    softcap = shape.final_softcap is not None
     if setup.loss_chunk_tokens is None:
-        return 12 * t * v + (t * v * d if setup.keep_logits else 0)
+        # a soft-cap (Gemma 2) saves its tanh output too: one more logits copy
+        return (12 * t * v + (t * v * d if setup.keep_logits else 0)
+                + (t * v * d if softcap else 0))
     from tightfit.loss.sizing import predict_head_loss_bytes
     from tightfit.measure.dtypes import torch_dtype
 
     return predict_head_loss_bytes(
         v, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype), hidden_size=shape.hidden,
-        chunk_tokens=setup.loss_chunk_tokens,
+        chunk_tokens=setup.loss_chunk_tokens, softcap=softcap,
     )
 
 
@@ -217,6 +244,8 @@ def quantized_backward_extra_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
 
 def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:
-    """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin."""
-    t = setup.tokens
-    return t * shape.hidden * 4 + t * 4 + 2 * setup.seq_len * shape.head_dim * setup.d
+    """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin (one
+    pair per attention type where they differ: Gemma 3's local and global layers)."""
+    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
+    rotary = kinds * 2 * setup.seq_len * shape.head_dim * setup.d
+    return norm_bytes(shape, setup, 1) + rotary

@@ -3,7 +3,8 @@
 Examples::
 
     tightfit plan --model llama-2-7b --gpu 24GiB --seq-len 2048
-    tightfit plan --model path/to/config.json --gpu 80GB --batch 4 --json
+    tightfit plan --model path/to/config.json --gpu 80GB --batch-size 4 --json
+    tightfit plan --model llama-65b --gpu 48GB --seq-len 512 --lora-r 64 --lora-dtype bf16
     tightfit plan --model tiny.json --gpu 256MiB --seq-len 128 --verify
     tightfit plan --model llama-3.1-8b --gpu 24GiB --lora-r 32 --max-seq --host-ram 128GiB
 
@@ -15,11 +16,15 @@ batch) that fits the device and the host.
 Reading the table: one row per configuration, its device bytes piece by piece (``total``
 is what must fit ``--gpu``) and ``host``, what it keeps in pinned host memory (offloaded
 layer inputs + paged optimizer state; must fit ``--pinned-fraction`` of ``--host-ram``).
-``fits``: yes, NO (device) or HOST (the device fits, the host does not). With ``--max-seq``
+``fits``: yes (with the safety margin ``--margin`` left free), tight (only inside the
+margin: never recommended), NO (device) or HOST (the device fits, the host does not). The
+exit code is 1 when no row fits with the margin. With ``--max-seq``
 the first column is each row's longest sequence and its pieces are at that length; the note
 line under the table says what binds (device, host, or the model's position limit).
 
-Rows 8-10 are for long sequences: every layer recomputed with its input offloaded to pinned
+Row 6 is the QLoRA paper's recipe (with ``--lora-dtype bfloat16``): every layer recomputed
+and the paged 32-bit AdamW (fp32 state whatever the adapters' dtype). Rows 9-11 are for
+long sequences: every layer recomputed with its input offloaded to pinned
 host memory (brought back one layer ahead) and the chunked loss — Unsloth's recipe —; the
 same with the MLP run in tiles of tokens; and a budget plan with both and the paged 8-bit
 AdamW. Offload costs host RAM and link time (hidden behind compute when it can be), the tiled
@@ -30,10 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
+from typing import Any
 
 from tightfit.measure.dtypes import DTYPE_NAMES, SHORT_NAMES
-from tightfit.planner.setup import ALL_LINEAR
+from tightfit.planner.shapes import KNOWN_WEIGHTS
+
+logger = logging.getLogger("tightfit.planner")
 
 _VERIFY_MAX_PARAMS = 60_000_000
 
@@ -51,13 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="24GiB", metavar="SIZE",
                         help="device memory, e.g. 24GiB, 80GB (default: 24GiB)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
+    dtypes = [*DTYPE_NAMES, *SHORT_NAMES]
+    # tightfit train's names; the old ones of plan still work, with a warning
+    _renamed(parser, "--batch-size", "--batch", type=int, default=1,
+             help="sequences per step (default: 1)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
-    parser.add_argument("--lora-targets", default="all-linear",
-                        help="comma-separated linear names or all-linear (default)")
-    parser.add_argument("--dtype", default="bfloat16", choices=[*DTYPE_NAMES, *SHORT_NAMES],
-                        help="compute dtype, as tightfit train's --compute-dtype; the short "
-                        "forms bf16, fp16, fp32 also work (default: bfloat16)")
+    _renamed(parser, "--lora-target-modules", "--lora-targets", default="all-linear",
+             help="comma-separated projection names or all-linear (default: every projection "
+             "of the family, MoE experts included)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0,
+                        help="dropout on the adapters' input (default: 0)")
+    parser.add_argument("--lora-dtype", default="float32", choices=dtypes,
+                        help="dtype of the adapters: float32 (peft's default) or bfloat16 as the "
+                        "QLoRA paper's scripts (default: float32)")
+    _renamed(parser, "--compute-dtype", "--dtype", default="bfloat16", choices=dtypes,
+             help="compute dtype; the short forms bf16, fp16, fp32 also work (default: bfloat16)")
+    parser.add_argument("--margin", type=float, default=None, metavar="SHARE",
+                        help="share of the device a recommended row leaves free; rows inside it "
+                        "are 'tight' (default: the worst held-out prediction error, 0.08)")
     parser.add_argument("--overhead", default="1GiB", metavar="SIZE",
                         help="fixed non-tensor device memory: CUDA context, workspaces (default: 1GiB)")
     parser.add_argument("--slack", type=float, default=0.05,
@@ -87,23 +107,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "this machine and print predicted vs measured bytes per piece")
 
 
-def _targets(text: str) -> tuple[str, ...] | None:
+class _Deprecated(argparse.Action):
+    """An old flag: stores into the new flag's destination and says so once (stderr)."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        logger.warning("tightfit plan: %s is deprecated, use %s (tightfit train's name); the "
+                       "old spelling goes in the next release.", option_string, self.new)
+        setattr(namespace, self.dest, values)
+
+
+def _renamed(parser: argparse.ArgumentParser, new: str, old: str, **kwargs: Any) -> None:
+    """``new`` (tightfit train's flag) and ``old`` (plan's former one) into one option."""
+    parser.add_argument(new, **kwargs)
+    kwargs.pop("default", None)
+    kwargs.pop("help", None)
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)
+
+
+def _targets(text: str) -> tuple[str, ...] | str:
     if text.strip() in ("", "all-linear"):
-        return None
+        return "all-linear"
     names = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [n for n in names if n not in ALL_LINEAR]
+    bad = [n for n in names if n not in KNOWN_WEIGHTS]
     if bad:
-        raise ValueError(f"--lora-targets: unknown {bad}; choose from {', '.join(ALL_LINEAR)}.")
+        raise ValueError(f"--lora-target-modules: unknown {bad}; choose from "
+                         f"{', '.join(KNOWN_WEIGHTS)} or all-linear.")
     return names
 
 
 def run(args: argparse.Namespace) -> int:
-    """``tightfit plan``: print the table (or JSON), optionally verified."""
-    from tightfit.planner.ladder import plan
+    """``tightfit plan``: print the table (or JSON), optionally verified.
+
+    Returns:
+        0 when a configuration is recommended, 1 when none fits with the margin.
+    """
+    from tightfit.planner.ladder import DEFAULT_MARGIN, plan
 
     report = plan(
-        args.model, args.gpu, seq_len=args.seq_len, batch=args.batch, lora_r=args.lora_r,
-        lora_targets=_targets(args.lora_targets), compute_dtype=args.dtype,
+        args.model, args.gpu, seq_len=args.seq_len, batch_size=args.batch_size,
+        lora_r=args.lora_r, lora_target_modules=_targets(args.lora_target_modules),
+        lora_dropout=args.lora_dropout, lora_dtype=args.lora_dtype,
+        compute_dtype=args.compute_dtype,
+        margin=DEFAULT_MARGIN if args.margin is None else args.margin,
         overhead=args.overhead, slack=args.slack, gpu_tflops=args.gpu_tflops,
         link_gbps=args.link_gbps, host_ram=args.host_ram, pinned_fraction=args.pinned_fraction,
         maximize="seq" if args.max_seq else "batch" if args.max_batch else None,
@@ -125,11 +177,11 @@ def run(args: argparse.Namespace) -> int:
         if verified is not None:
             out["verify"] = verified
         print(json.dumps(out, indent=2))
-        return 0
+        return 0 if report.recommended is not None else 1
     print(report)
     if verified is not None:
         from tightfit.planner.verify import format_verify
 
         print()
         print(format_verify(verified))
-    return 0
+    return 0 if report.recommended is not None else 1

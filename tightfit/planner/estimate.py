@@ -52,65 +52,118 @@ def nf4_constant_bytes(numel: int, *, double_quant: bool, blocksize: int = 64) -
     return blocks + 4 * math.ceil(blocks / DQ_BLOCKSIZE) + 4 + DQ_CODE_BYTES + NF4_CODE_BYTES
 
 
-def base_weight_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
-    """``(weights, constants)`` bytes of the frozen base model.
+def expert_constant_bytes(numel: int, experts: int, *, double_quant: bool,
+                          blocksize: int = 64) -> int:
+    """Bytes of the quantization state of one MoE expert weight stack (``experts`` experts,
+    ``numel`` values each), as :mod:`tightfit.qlora.experts` stores it: per expert the
+    absmaxes (fp32; with DQ uint8 + an fp32 absmax per 256 blocks + an fp32 offset), and
+    one NF4 code (+ one 256-entry DQ code) for the whole stack."""
+    blocks = math.ceil(numel / blocksize)
+    if not double_quant:
+        return experts * 4 * blocks + NF4_CODE_BYTES
+    per_expert = blocks + 4 * math.ceil(blocks / DQ_BLOCKSIZE) + 4
+    return experts * per_expert + DQ_CODE_BYTES + NF4_CODE_BYTES
 
-    Decoder linear weights are stored per ``setup.quant`` (NF4: two values per byte; int8:
-    one byte, with an fp32 scale per output row counted as a constant); embeddings, the LM
-    head (unless tied), norms and biases stay in the compute dtype.
-    """
-    d = setup.d
+
+def _quantized_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """``(weights, constants)`` of one decoder layer's linears and experts."""
+    if setup.quant == "int8" and shape.is_moe:
+        raise ValueError(f"{shape.name}: int8 (LLM.int8) MoE experts are not modelled (tightfit "
+                         "stores experts in NF4); choose quant='nf4' or 'none'.")
     weights = constants = 0
-    for fan_in, fan_out in shape.linear_shapes().values():
+    for name, (fan_in, fan_out, copies) in shape.weight_shapes().items():
         n = fan_in * fan_out
+        expert = name in shape.expert_shapes()
         if setup.quant == "nf4":
-            weights += (n + 1) // 2
-            constants += nf4_constant_bytes(n, double_quant=setup.double_quant,
-                                            blocksize=setup.blocksize)
+            weights += copies * ((n + 1) // 2)
+            constants += (expert_constant_bytes(n, copies, double_quant=setup.double_quant,
+                                                blocksize=setup.blocksize) if expert else
+                          nf4_constant_bytes(n, double_quant=setup.double_quant,
+                                             blocksize=setup.blocksize))
         elif setup.quant == "int8":
             weights += n
             constants += 4 * fan_out
         else:
-            weights += d * n
+            weights += setup.d * copies * n
+    return weights, constants
+
+
+def base_weight_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """``(weights, constants)`` bytes of the frozen base model.
+
+    Decoder linear weights (and MoE experts, each expert's projection on its own) are stored
+    per ``setup.quant`` (NF4: two values per byte; int8: one byte, with an fp32 scale per
+    output row counted as a constant); embeddings, the LM head (unless tied), norms (q/k
+    norms included), biases and MoE routers stay in the compute dtype.
+    """
+    d = setup.d
+    weights, constants = _quantized_bytes(shape, setup)
     weights *= shape.layers
     constants *= shape.layers
-    unquantized = 2 * shape.hidden * shape.layers + shape.hidden  # norms
+    per_layer = shape.traits.norms * shape.hidden + shape.experts * shape.hidden
+    if shape.traits.qk_norm:
+        per_layer += 2 * shape.head_dim
     if shape.qkv_bias:
-        unquantized += (shape.q_size + 2 * shape.kv_size) * shape.layers
+        per_layer += shape.q_size + 2 * shape.kv_size
+    unquantized = per_layer * shape.layers + shape.hidden  # + the final norm
     unquantized += shape.vocab * shape.hidden * (1 if shape.tie_embeddings else 2)
-    rotary = 2 * (shape.head_dim // 2) * 4  # transformers' inv_freq + original_inv_freq (fp32)
-    return weights + d * unquantized + rotary, constants
+    return weights + d * unquantized + rotary_buffer_bytes(shape), constants
+
+
+def rotary_buffer_bytes(shape: ModelShape) -> int:
+    """transformers' rotary buffers (fp32 ``inv_freq`` and ``original_inv_freq``; one pair
+    per attention type where they differ, Gemma 3's local and global layers)."""
+    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
+    return kinds * 2 * (shape.head_dim // 2) * 4
+
+
+def adapted_weights(shape: ModelShape, setup: TrainSetup) -> dict[str, tuple[int, int, int]]:
+    """``(in, out, copies)`` of each weight of a layer that gets adapters.
+
+    Raises:
+        ValueError: A named target the family's layer does not have.
+    """
+    weights = shape.weight_shapes()
+    if setup.lora_targets != "all-linear":
+        missing = [t for t in setup.lora_targets if t not in weights]
+        if missing:
+            raise ValueError(
+                f"lora_targets {tuple(missing)}: a {shape.family} layer of {shape.name} has no "
+                f"such projection; its projections are {', '.join(weights)} (or 'all-linear')."
+            )
+    return {n: w for n, w in weights.items() if setup.adapts(n)}
 
 
 def lora_param_count(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
-    """``(parameters, tensors)`` of the LoRA adapters: r·(in + out) per targeted linear."""
-    linears = shape.linear_shapes()
-    per_layer = sum(setup.lora_r * (linears[t][0] + linears[t][1]) for t in setup.lora_targets)
-    return per_layer * shape.layers, 2 * len(setup.lora_targets) * shape.layers
+    """``(parameters, tensors)`` of the LoRA adapters: r·(in + out) per targeted linear, and
+    per expert of a targeted expert weight (peft's parameter targets)."""
+    targets = adapted_weights(shape, setup)
+    per_layer = sum(setup.lora_r * c * (fi + fo) for fi, fo, c in targets.values())
+    return per_layer * shape.layers, 2 * len(targets) * shape.layers
 
 
 def lora_tensor_sizes(shape: ModelShape, setup: TrainSetup) -> list[int]:
-    """Element counts of every LoRA tensor (A: r×in, B: out×r), layer by layer."""
-    linears = shape.linear_shapes()
+    """Element counts of every LoRA tensor (A: r×in, B: out×r; an expert weight's A is
+    (r·E)×in and its B out×(r·E)), layer by layer."""
     one = []
-    for t in setup.lora_targets:
-        fan_in, fan_out = linears[t]
-        one += [setup.lora_r * fan_in, setup.lora_r * fan_out]
+    for fan_in, fan_out, copies in adapted_weights(shape, setup).values():
+        one += [setup.lora_r * copies * fan_in, setup.lora_r * copies * fan_out]
     return one * shape.layers
 
 
 def optimizer_state_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Bytes of AdamW state for the LoRA parameters.
 
-    32-bit: ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype plus a 4-byte ``step``
-    tensor per parameter (torch.optim.AdamW). 8-bit (bitsandbytes' blockwise layout): two
-    uint8 states plus one fp32 absmax per 256 values each (≈2.03 B/param) and two shared
-    256-entry maps; tensors under 4096 elements keep 32-bit state, as bitsandbytes does.
+    32-bit: ``exp_avg`` and ``exp_avg_sq`` in the state dtype (torch.optim.AdamW: the
+    adapters' dtype; tightfit's paged AdamW: fp32, as bitsandbytes' ``paged_adamw_32bit``;
+    :attr:`TrainSetup.state_bytes`) plus a 4-byte ``step`` tensor per parameter. 8-bit
+    (bitsandbytes' blockwise layout): two uint8 states plus one fp32 absmax per 256 values
+    each (≈2.03 B/param) and two shared 256-entry maps; tensors under 4096 elements keep
+    32-bit state, as bitsandbytes does.
     """
     sizes = lora_tensor_sizes(shape, setup)
-    a = setup.a
     if not setup.optimizer.endswith("8bit"):
-        return sum(2 * a * n + 4 for n in sizes)
+        return sum(2 * setup.state_bytes * n + 4 for n in sizes)
     # qmap1, qmap2: shared by every 8-bit parameter
     total = 2 * 256 * 4 if any(n >= OPT8_MIN_SIZE for n in sizes) else 0
     for n in sizes:
@@ -223,6 +276,11 @@ def estimate(
             f"seq_len {setup.seq_len} is longer than {shape.name} supports "
             f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
         )
+    if setup.mlp_tile is not None and (shape.traits.fused or shape.is_moe):
+        raise ValueError(
+            f"{shape.name}: tightfit.checkpoint.tiling tiles gate/up/down MLPs; a {shape.family} "
+            f"layer's MLP ({'fused gate_up_proj' if shape.traits.fused else 'MoE experts'}) is "
+            "not tiled; pass mlp_tile=None.")
     overhead = overhead or Overhead()
     weights, constants = base_weight_bytes(shape, setup)
     n_lora, _ = lora_param_count(shape, setup)

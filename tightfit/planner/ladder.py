@@ -2,18 +2,21 @@
 
 :func:`plan` takes an architecture (preset or ``config.json``), a device size and a batch,
 and evaluates a ladder of configurations from plain bf16 LoRA to the full tightfit stack
-(NF4 + double quantization, a budget checkpoint plan, the chunked LM head + loss, a paged
-8-bit optimizer) and the long-context ones (every layer recomputed with its input offloaded
+(NF4 + double quantization, a budget checkpoint plan, the chunked LM head + loss, the paged
+32-bit and 8-bit AdamW) and the long-context ones (every layer recomputed with its input offloaded
 to the host, a tiled MLP). Each gets the memory model's bytes per piece on the device, its
-bytes on the host, whether both fit (the device with the overhead margin, the host within
-its pinned budget), and an estimated slowdown (:mod:`tightfit.planner.speed`); the fastest
-that fits is recommended, with the ``tightfit train`` options that select it. With
+bytes on the host, whether both fit (the device with the overhead and the safety margin, the
+host within its pinned budget; a row that fits only inside the margin is "tight"), and an
+estimated slowdown (:mod:`tightfit.planner.speed`); the fastest that fits with the margin is
+recommended, with the ``tightfit train`` options that select it. With
 ``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
 largest batch that fits (:mod:`tightfit.planner.longctx`).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +37,11 @@ PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
 # Smallest MLP tile the ladder plans: below it a tile's matmuls (tile × hidden × intermediate)
 # get too small to keep a GPU busy (an assumption, like QUANT_SLOWDOWN).
 MIN_MLP_TILE = 1024
+# The share of the device a recommendation leaves free beyond the overhead: the worst
+# held-out prediction error of any piece (benchmarks/results/plan_accuracy.md, families and
+# shapes no constant was fitted on), rounded up. A step's total is a sum of pieces, so its
+# relative error is at most the worst piece's.
+DEFAULT_MARGIN = 0.08
 Maximize = Literal["seq", "batch"]
 
 
@@ -56,8 +64,9 @@ class Rung:
 
 @dataclass(frozen=True)
 class Sizing:
-    """What every configuration is sized against: the device, its margin, the host, and the
-    speed model's throughputs."""
+    """What every configuration is sized against: the device, its overhead, the host, and
+    the speed model's throughputs; ``margin`` is the share of the device a fitting row
+    leaves free (rows inside it are "tight")."""
 
     shape: ModelShape
     gpu_bytes: int
@@ -65,6 +74,16 @@ class Sizing:
     host: HostLimit
     gpu_tflops: float = DEFAULT_GPU_TFLOPS
     link_gbps: float = DEFAULT_LINK_GBPS
+    margin: float = 0.0
+
+    @property
+    def margin_bytes(self) -> int:
+        return math.ceil(self.margin * self.gpu_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        """The device bytes a row may fill and still fit with the margin."""
+        return self.gpu_bytes - self.margin_bytes
 
 
 def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = False) -> int:
@@ -115,6 +134,10 @@ def ladder(base: TrainSetup) -> tuple[Rung, ...]:
         Rung("NF4 LoRA", nf4),
         Rung("NF4+DQ LoRA (QLoRA)", qlora),
         Rung("QLoRA + ckpt every", qlora.with_(checkpoint="every")),
+        # the QLoRA paper's recipe (with --lora-dtype bfloat16): paged 32-bit AdamW, whose
+        # state is fp32 whatever the adapters' dtype (bitsandbytes' paged_adamw_32bit)
+        Rung("QLoRA + ckpt every + paged AdamW 32-bit",
+             qlora.with_(checkpoint="every", optimizer="paged_adamw")),
         Rung("QLoRA + ckpt budget + chunked loss", budget, chunked=True),
         Rung("full stack (+ paged AdamW 8-bit)", budget.with_(optimizer="paged_adamw8bit"),
              chunked=True),
@@ -169,7 +192,7 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
         setup = setup.with_(loss_chunk_tokens=auto_chunk_tokens(shape, setup, monotone=monotone))
     if rung.tiled:
         setup = setup.with_(mlp_tile=planned_mlp_tile(shape, setup))
-    return _fit_budgets(shape, setup, sizing.gpu_bytes, sizing.overhead)
+    return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead)
 
 
 def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:
@@ -178,8 +201,10 @@ def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:
     est = estimate(shape, setup, sizing.overhead)
     slow, paging = slowdown(shape, est, gpu_tflops=sizing.gpu_tflops, link_gbps=sizing.link_gbps)
     fits_device = est.total <= sizing.gpu_bytes
-    return Row(rung.name, setup, est, fits_device and est.fits_host, slow, paging,
-               train_args(setup), fits_device=fits_device, fits_host=est.fits_host)
+    tight = fits_device and est.fits_host and est.total > sizing.usable_bytes
+    return Row(rung.name, setup, est, fits_device and est.fits_host and not tight, slow,
+               paging, train_args(setup), fits_device=fits_device, fits_host=est.fits_host,
+               tight=tight)
 
 
 def plan(
@@ -187,55 +212,114 @@ def plan(
     gpu: str | int = "24GiB",
     *,
     seq_len: int = 2048,
-    batch: int = 1,
+    batch_size: int = 1,
     lora_r: int = 16,
-    lora_targets: tuple[str, ...] | None = None,
+    lora_target_modules: tuple[str, ...] | str = "all-linear",
+    lora_dropout: float = 0.0,
+    lora_dtype: str = "float32",
     compute_dtype: str = "bfloat16",
     overhead: str | int = "1GiB",
     slack: float = 0.05,
+    margin: float = DEFAULT_MARGIN,
     gpu_tflops: float = DEFAULT_GPU_TFLOPS,
     link_gbps: float = DEFAULT_LINK_GBPS,
     host_ram: str | int | None = None,
     pinned_fraction: float = PINNED_FRACTION,
     maximize: Maximize | None = None,
     granularity: int = 1,
+    batch: int | None = None,
+    lora_targets: tuple[str, ...] | None = None,
 ) -> PlanReport:
     """Predict whether fine-tuning ``model`` fits on a ``gpu``-sized device, and how.
 
+    The option names are ``tightfit train``'s (``batch_size``, ``lora_target_modules``,
+    ``lora_dtype``, ``compute_dtype``); ``batch`` and ``lora_targets`` are their old
+    spellings, accepted with a DeprecationWarning for one release.
+
     Args:
-        model: A preset name (``"llama-2-7b"``, see ``PRESETS``), a path to an HF
+        model: A preset name (``"llama-3.1-8b"``, see ``PRESETS``), a path to an HF
             ``config.json`` (or its folder), a config dict or a :class:`ModelShape`.
         gpu: Device memory, e.g. ``"24GiB"``, ``"80GB"`` or bytes.
         seq_len: Tokens per sequence (with ``maximize="seq"``: unused, it is searched).
-        batch: Sequences per step (with ``maximize="batch"``: unused, it is searched).
+        batch_size: Sequences per step (with ``maximize="batch"``: unused, it is searched).
         lora_r: LoRA rank.
-        lora_targets: Linear layers that get adapters (default: all seven).
-        compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or ``"bf16"``,
-            ``"fp16"``, ``"fp32"``).
+        lora_target_modules: ``"all-linear"`` (every projection of the family, MoE experts
+            included) or projection names.
+        lora_dropout: Dropout on the adapters' input.
+        lora_dtype: The adapters' dtype (``"bfloat16"``: the QLoRA paper's scripts).
+        compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or ``"bf16"``, ...).
         overhead: Fixed device memory that is not tensors (CUDA context, workspaces).
         slack: Allocator slack, a fraction of the tensor bytes.
+        margin: Share of the device a recommended row leaves free (default: the worst
+            held-out prediction error, :data:`DEFAULT_MARGIN`); rows that fit only inside
+            it are "tight", never recommended.
         gpu_tflops: Effective matmul throughput, for the slowdown estimate.
         link_gbps: Host↔device bandwidth in GB/s, for the paging and offload estimate.
         host_ram: Host RAM (e.g. ``"128GiB"``); ``None``: this machine's.
         pinned_fraction: Part of ``host_ram`` offloaded activations and optimizer pages may
             pin (:mod:`tightfit.planner.host`).
-        maximize: ``"seq"``: each row at the longest sequence that fits (device and host),
-            capped by the model's position limit; ``"batch"``: at the largest batch.
+        maximize: ``"seq"``: each row at the longest sequence that fits (device and host,
+            with the margin), capped by the model's position limit; ``"batch"``: at the
+            largest batch.
         granularity: The maximum is a multiple of this many tokens (sequences).
+        batch: Deprecated spelling of ``batch_size``.
+        lora_targets: Deprecated spelling of ``lora_target_modules``.
 
     Returns:
-        A :class:`PlanReport`; ``str(report)`` is the table ``tightfit plan`` prints.
+        A :class:`PlanReport` (``recommended`` is ``None`` when no row fits with the
+        margin); ``str(report)`` is the table ``tightfit plan`` prints.
 
     Raises:
         ValueError: Unknown preset, malformed config, nonsense sizes or options, a
             ``seq_len`` beyond the model's ``max_position_embeddings``.
     """
+    batch_size = _renamed("batch", batch, "batch_size", batch_size)
+    targets = _renamed("lora_targets", lora_targets, "lora_target_modules", lora_target_modules)
     shape = load_shape(model)
-    sizing = _sizing(shape, gpu, overhead, slack, gpu_tflops, link_gbps, host_ram,
+    sizing = _sizing(shape, gpu, overhead, slack, margin, gpu_tflops, link_gbps, host_ram,
                      pinned_fraction)
+    _check_search(shape, maximize, seq_len, batch_size, granularity)
+    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch=batch_size,
+                      lora_r=lora_r, lora_targets=targets, lora_dropout=lora_dropout,
+                      adapter_dtype=lora_dtype, compute_dtype=compute_dtype)
+    rows, best = _rows(ladder(base), sizing, maximize, granularity)
+    return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
+                      _notes(sizing, maximize, granularity), host=sizing.host,
+                      maximize=maximize, granularity=granularity,
+                      margin_bytes=sizing.margin_bytes)
+
+
+def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,
+          granularity: int) -> tuple[tuple[Row, ...], Row | None]:
+    """Every rung's row and the recommended one (``None``: none fits with the margin)."""
+    base = rungs[0].setup
+    if maximize is not None:
+        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, base.batch, granularity)
+                     for r in rungs)
+        fitting = [r for r in rows if r.maximum]
+        best = (max(fitting, key=lambda r: (r.maximum, -r.slowdown, -r.estimate.total))
+                if fitting else None)
+        return rows, best
+    rows = tuple(evaluate(r, sizing, sized(r, sizing, base.seq_len, base.batch)) for r in rungs)
+    fitting = [r for r in rows if r.fits]
+    return rows, (min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None)
+
+
+def _renamed(old: str, old_value: object, new: str, value: object) -> object:
+    """``value``, or the deprecated ``old`` keyword's value with a DeprecationWarning."""
+    if old_value is None:
+        return value
+    warnings.warn(f"plan({old}=...) is deprecated; pass {new}=... (tightfit train's name). "
+                  f"The old spelling goes in the next release.", DeprecationWarning,
+                  stacklevel=3)
+    return old_value
+
+
+def _check_search(shape: ModelShape, maximize: Maximize | None, seq_len: int, batch: int,
+                  granularity: int) -> None:
     if maximize not in (None, "seq", "batch"):
         raise ValueError(f"maximize must be 'seq', 'batch' or None, got {maximize!r}.")
-    for name, v in (("seq_len", seq_len), ("batch", batch), ("granularity", granularity)):
+    for name, v in (("seq_len", seq_len), ("batch_size", batch), ("granularity", granularity)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}.")
     if maximize != "seq" and seq_len > shape.max_positions:
@@ -243,23 +327,6 @@ def plan(
             f"seq_len {seq_len} is longer than {shape.name} supports "
             f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
         )
-    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch=batch, lora_r=lora_r,
-                      compute_dtype=compute_dtype,
-                      **({"lora_targets": tuple(lora_targets)} if lora_targets else {}))
-    rungs = ladder(base)
-    if maximize is not None:
-        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, batch, granularity)
-                     for r in rungs)
-        fitting = [r for r in rows if r.maximum]
-        best = (max(fitting, key=lambda r: (r.maximum, -r.slowdown, -r.estimate.total))
-                if fitting else None)
-    else:
-        rows = tuple(evaluate(r, sizing, sized(r, sizing, seq_len, batch)) for r in rungs)
-        fitting = [r for r in rows if r.fits]
-        best = min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None
-    return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
-                      _notes(sizing, maximize, granularity), host=sizing.host,
-                      maximize=maximize, granularity=granularity)
 
 
 def _maximized(rung: Rung, sizing: Sizing, maximize: Maximize, seq_len: int, batch: int,
@@ -274,7 +341,7 @@ def _maximized(rung: Rung, sizing: Sizing, maximize: Maximize, seq_len: int, bat
 
 
 def _sizing(shape: ModelShape, gpu: str | int, overhead: str | int, slack: float,
-            gpu_tflops: float, link_gbps: float, host_ram: str | int | None,
+            margin: float, gpu_tflops: float, link_gbps: float, host_ram: str | int | None,
             pinned_fraction: float) -> Sizing:
     gpu_bytes = parse_bytes(gpu, what="gpu")
     if gpu_bytes < 2**20:
@@ -285,8 +352,11 @@ def _sizing(shape: ModelShape, gpu: str | int, overhead: str | int, slack: float
     fixed = 0 if overhead in (0, "0") else parse_bytes(overhead, what="overhead")
     if gpu_tflops <= 0 or link_gbps <= 0:
         raise ValueError("gpu_tflops and link_gbps must be positive.")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.5:
+        raise ValueError(f"margin must be a share of the device in [0, 0.5), e.g. 0.08 for "
+                         f"8 %, got {margin!r}.")
     return Sizing(shape, gpu_bytes, Overhead(fixed_bytes=fixed, fraction=slack),
-                  host_limit(host_ram, pinned_fraction), gpu_tflops, link_gbps)
+                  host_limit(host_ram, pinned_fraction), gpu_tflops, link_gbps, float(margin))
 
 
 def _notes(sizing: Sizing, maximize: Maximize | None, granularity: int) -> tuple[str, ...]:
@@ -298,6 +368,11 @@ def _notes(sizing: Sizing, maximize: Maximize | None, granularity: int) -> tuple
         "TFLOP/s of compute (offload counts only what the compute beside it does not hide)",
         f"overhead: {format_bytes(margin.fixed_bytes)} fixed + {100 * margin.fraction:g}% "
         "allocator slack",
+        f"margin: {100 * sizing.margin:g}% of the device ({format_bytes(sizing.margin_bytes)})"
+        " kept free beyond the overhead"
+        + (" (the worst held-out prediction error of any piece, benchmarks/results/"
+           "plan_accuracy.md)" if sizing.margin == DEFAULT_MARGIN else "")
+        + "; a row that fits only inside it is 'tight', never recommended",
         sizing.host.describe(),
     ]
     if maximize is not None:

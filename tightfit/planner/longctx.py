@@ -83,6 +83,8 @@ def search(fits: Callable[[int], bool], *, cap: int, granularity: int = 1) -> Fo
 
 
 def _what_binds(row: Row) -> str:
+    if row.tight:  # it fits the device only inside the safety margin
+        return "device"
     if not row.fits_device and not row.fits_host:
         return "device and host"
     return "device" if not row.fits_device else "host"

@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 class _Terms:
     """The bytes every plan's peak is made of, for one (shape, setup): computed once."""
 
-    a_first: int  # saved by layer 0 (its input norm saves nothing: the embedding needs no grad)
-    a_rest: int  # saved by any other layer
+    prefix: tuple[int, ...]  # prefix[i]: what layers 0..i-1 save (layer types differ: Gemma)
     x: int  # one layer input
     dup: int  # fp32: a checkpointed segment's first norm saves its input, a view of x
     head: int
@@ -50,14 +49,21 @@ class _Terms:
     def saved(self, start: int, stop: int) -> int:
         if stop <= start:
             return 0
-        return (self.a_first if start == 0 else self.a_rest) + self.a_rest * (stop - start - 1)
+        return self.prefix[stop] - self.prefix[start]
 
 
 def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
     t, h = setup.tokens, shape.hidden
+    # layers of one attention type save the same: compute each type once
+    by_kind: dict[tuple[bool, bool], int] = {}
+    prefix = [0]
+    for i in range(shape.layers):
+        kind = (i == 0, shape.masked(i, setup.seq_len))
+        if kind not in by_kind:
+            by_kind[kind] = layer_saved_bytes(shape, setup, layer=i)
+        prefix.append(prefix[-1] + by_kind[kind])
     return _Terms(
-        a_first=layer_saved_bytes(shape, setup, first=True),
-        a_rest=layer_saved_bytes(shape, setup),
+        prefix=tuple(prefix),
         x=layer_input_bytes(shape, setup),
         dup=t * h * 4 if setup.d == 4 else 0,
         head=head_loss_bytes(shape, setup),

@@ -1,178 +1,104 @@
-"""The shape of a causal LM: from a local HF ``config.json`` or a built-in preset.
+"""Built-in model shapes, and :func:`load_shape` (a preset, a ``config.json`` or its folder).
 
 The memory model needs only the architecture's sizes, never its weights. Presets are the
-published configurations (the numbers in each model's ``config.json`` on the Hub), written
-here as data so that ``tightfit plan --model llama-2-7b`` works offline.
+published configurations (the keys of each model's ``config.json`` on the Hub that the
+planner reads, position limits included), written here as data and read by the same
+:func:`~tightfit.planner.configs.shape_from_config` as a local config, so that ``tightfit
+plan --model qwen3-8b`` works offline. Gemma 3's 4B/12B/27B presets are their text decoders
+(the vision tower of those checkpoints, about 0.4 B parameters, is not counted).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from tightfit.planner.configs import hf_config, shape_from_config
+from tightfit.planner.shapes import ModelShape
+
+__all__ = ["PRESETS", "ModelShape", "hf_config", "load_shape", "shape_from_config"]
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Sizes of a Llama-family decoder-only causal LM (Llama, Mistral, Qwen2).
-
-    Attributes:
-        name: Preset name or the config file it came from.
-        hidden: Hidden size h.
-        intermediate: MLP intermediate size.
-        layers: Number of decoder layers.
-        heads: Attention (query) heads.
-        kv_heads: Key/value heads (fewer than ``heads`` under grouped-query attention).
-        vocab: Vocabulary size (rows of the embedding and the LM head).
-        tie_embeddings: The LM head shares the embedding matrix.
-        head_dim: Per-head size (``hidden // heads`` unless the config says otherwise).
-        qkv_bias: q/k/v projections have a bias (Qwen2).
-        max_positions: Longest sequence the position embedding supports.
-    """
-
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tie_embeddings: bool = False
-    head_dim: int = 0
-    qkv_bias: bool = False
-    max_positions: int = 4096
-
-    def __post_init__(self) -> None:
-        for field in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"model {self.name!r}: {field} must be a positive integer, got {value!r}; "
-                    "check the config."
-                )
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"model {self.name!r}: num_attention_heads={self.heads} is not a multiple of "
-                f"num_key_value_heads={self.kv_heads}; check the config."
-            )
-        if self.head_dim == 0:
-            if self.hidden % self.heads:
-                raise ValueError(
-                    f"model {self.name!r}: hidden_size={self.hidden} is not divisible by "
-                    f"num_attention_heads={self.heads}; give head_dim in the config."
-                )
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-
-    @property
-    def q_size(self) -> int:
-        """Width of the query projection's output."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        """Width of the key (and of the value) projection's output."""
-        return self.kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(in_features, out_features)`` of each linear layer in one decoder layer."""
-        h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_size),
-            "k_proj": (h, self.kv_size),
-            "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-    def num_params(self) -> int:
-        """Total parameter count (embeddings, layers, norms, head)."""
-        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden
-        if self.qkv_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        head = 0 if self.tie_embeddings else self.vocab * self.hidden
-        return self.vocab * self.hidden + self.layers * per_layer + self.hidden + head
+def _c(model_type: str, h: int, i: int, n: int, heads: int, kv: int, vocab: int,
+       positions: int, **keys: Any) -> dict[str, Any]:
+    """A config.json's planner keys (HF names) for :func:`shape_from_config`."""
+    return {"model_type": model_type, "hidden_size": h, "intermediate_size": i,
+            "num_hidden_layers": n, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "vocab_size": vocab, "max_position_embeddings": positions, **keys}
 
 
-def _p(name: str, h: int, i: int, n: int, heads: int, kv: int, vocab: int, **kw) -> ModelShape:
-    return ModelShape(name, h, i, n, heads, kv, vocab, **kw)
-
+_QWEN2 = {"attention_bias": True}
+_TIE = {"tie_word_embeddings": True}
+_G2 = {"head_dim": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+       "final_logit_softcapping": 30.0}
+_PHI3_4K = {"sliding_window": 2047}
+_PHI3_128K = {"sliding_window": 262144}
 
 # Published configurations (config.json on the Hugging Face Hub of each model).
-PRESETS: dict[str, ModelShape] = {
-    s.name: s
-    for s in (
-        _p("llama-7b", 4096, 11008, 32, 32, 32, 32000, max_positions=2048),
-        _p("llama-13b", 5120, 13824, 40, 40, 40, 32000, max_positions=2048),
-        _p("llama-30b", 6656, 17920, 60, 52, 52, 32000, max_positions=2048),
-        _p("llama-65b", 8192, 22016, 80, 64, 64, 32000, max_positions=2048),
-        _p("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
-        _p("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
-        _p("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
-        _p("llama-3-8b", 4096, 14336, 32, 32, 8, 128256, max_positions=8192),
-        _p("llama-3-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=8192),
-        _p("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256, max_positions=131072),
-        _p("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=131072),
-        _p("llama-3.3-70b", 8192, 28672, 80, 64, 8, 128256, max_positions=131072),
-        _p("mistral-7b", 4096, 14336, 32, 32, 8, 32000, max_positions=32768),
-        _p("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151936, tie_embeddings=True, qkv_bias=True,
-           max_positions=32768),
-        _p("qwen2.5-1.5b", 1536, 8960, 28, 12, 2, 151936, tie_embeddings=True, qkv_bias=True,
-           max_positions=32768),
-        _p("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True, max_positions=32768),
-        _p("qwen2.5-14b", 5120, 13824, 48, 40, 8, 152064, qkv_bias=True, max_positions=32768),
-        _p("qwen2.5-32b", 5120, 27648, 64, 40, 8, 152064, qkv_bias=True, max_positions=32768),
-        _p("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, qkv_bias=True, max_positions=32768),
-    )
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-7b": _c("llama", 4096, 11008, 32, 32, 32, 32000, 2048),
+    "llama-13b": _c("llama", 5120, 13824, 40, 40, 40, 32000, 2048),
+    "llama-30b": _c("llama", 6656, 17920, 60, 52, 52, 32000, 2048),
+    "llama-65b": _c("llama", 8192, 22016, 80, 64, 64, 32000, 2048),
+    "llama-2-7b": _c("llama", 4096, 11008, 32, 32, 32, 32000, 4096),
+    "llama-2-13b": _c("llama", 5120, 13824, 40, 40, 40, 32000, 4096),
+    "llama-2-70b": _c("llama", 8192, 28672, 80, 64, 8, 32000, 4096),
+    "llama-3-8b": _c("llama", 4096, 14336, 32, 32, 8, 128256, 8192),
+    "llama-3-70b": _c("llama", 8192, 28672, 80, 64, 8, 128256, 8192),
+    "llama-3.1-8b": _c("llama", 4096, 14336, 32, 32, 8, 128256, 131072),
+    "llama-3.1-70b": _c("llama", 8192, 28672, 80, 64, 8, 128256, 131072),
+    "llama-3.2-1b": _c("llama", 2048, 8192, 16, 32, 8, 128256, 131072, head_dim=64, **_TIE),
+    "llama-3.2-3b": _c("llama", 3072, 8192, 28, 24, 8, 128256, 131072, head_dim=128, **_TIE),
+    "llama-3.3-70b": _c("llama", 8192, 28672, 80, 64, 8, 128256, 131072),
+    "mistral-7b": _c("mistral", 4096, 14336, 32, 32, 8, 32000, 32768, sliding_window=4096),
+    "mistral-7b-v0.3": _c("mistral", 4096, 14336, 32, 32, 8, 32768, 32768, sliding_window=None),
+    "mistral-nemo-12b": _c("mistral", 5120, 14336, 40, 32, 8, 131072, 1024000, head_dim=128,
+                           sliding_window=None),
+    "qwen2.5-0.5b": _c("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, **_QWEN2, **_TIE),
+    "qwen2.5-1.5b": _c("qwen2", 1536, 8960, 28, 12, 2, 151936, 32768, **_QWEN2, **_TIE),
+    "qwen2.5-3b": _c("qwen2", 2048, 11008, 36, 16, 2, 151936, 32768, **_QWEN2, **_TIE),
+    "qwen2.5-7b": _c("qwen2", 3584, 18944, 28, 28, 4, 152064, 32768, **_QWEN2),
+    "qwen2.5-14b": _c("qwen2", 5120, 13824, 48, 40, 8, 152064, 32768, **_QWEN2),
+    "qwen2.5-32b": _c("qwen2", 5120, 27648, 64, 40, 8, 152064, 32768, **_QWEN2),
+    "qwen2.5-72b": _c("qwen2", 8192, 29568, 80, 64, 8, 152064, 32768, **_QWEN2),
+    "qwen3-0.6b": _c("qwen3", 1024, 3072, 28, 16, 8, 151936, 40960, head_dim=128, **_TIE),
+    "qwen3-1.7b": _c("qwen3", 2048, 6144, 28, 16, 8, 151936, 40960, head_dim=128, **_TIE),
+    "qwen3-4b": _c("qwen3", 2560, 9728, 36, 32, 8, 151936, 40960, head_dim=128, **_TIE),
+    "qwen3-8b": _c("qwen3", 4096, 12288, 36, 32, 8, 151936, 40960, head_dim=128),
+    "qwen3-14b": _c("qwen3", 5120, 17408, 40, 40, 8, 151936, 40960, head_dim=128),
+    "qwen3-32b": _c("qwen3", 5120, 25600, 64, 64, 8, 151936, 40960, head_dim=128),
+    "qwen3-30b-a3b": _c("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, head_dim=128,
+                        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen3-235b-a22b": _c("qwen3_moe", 4096, 12288, 94, 64, 4, 151936, 40960, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
+    "gemma-2b": _c("gemma", 2048, 16384, 18, 8, 1, 256000, 8192, head_dim=256),
+    "gemma-7b": _c("gemma", 3072, 24576, 28, 16, 16, 256000, 8192, head_dim=256),
+    "gemma-2-2b": _c("gemma2", 2304, 9216, 26, 8, 4, 256000, 8192, **_G2),
+    "gemma-2-9b": _c("gemma2", 3584, 14336, 42, 16, 8, 256000, 8192, **_G2),
+    "gemma-2-27b": _c("gemma2", 4608, 36864, 46, 32, 16, 256000, 8192, **{**_G2, "head_dim": 128}),
+    "gemma-3-1b": _c("gemma3_text", 1152, 6912, 26, 4, 1, 262144, 32768, head_dim=256,
+                     sliding_window=512),
+    "gemma-3-4b": _c("gemma3_text", 2560, 10240, 34, 8, 4, 262208, 131072, head_dim=256,
+                     sliding_window=1024),
+    "gemma-3-12b": _c("gemma3_text", 3840, 15360, 48, 16, 8, 262208, 131072, head_dim=256,
+                      sliding_window=1024),
+    "gemma-3-27b": _c("gemma3_text", 5376, 21504, 62, 32, 16, 262208, 131072, head_dim=128,
+                      sliding_window=1024),
+    "phi-3-mini-4k": _c("phi3", 3072, 8192, 32, 32, 32, 32064, 4096, **_PHI3_4K),
+    "phi-3-mini-128k": _c("phi3", 3072, 8192, 32, 32, 32, 32064, 131072, **_PHI3_128K),
+    "phi-3-medium-4k": _c("phi3", 5120, 17920, 40, 40, 10, 32064, 4096, **_PHI3_4K),
+    "phi-3-medium-128k": _c("phi3", 5120, 17920, 40, 40, 10, 32064, 131072, **_PHI3_128K),
+    "phi-3.5-mini": _c("phi3", 3072, 8192, 32, 32, 32, 32064, 131072, **_PHI3_128K),
+    "phi-4": _c("phi3", 5120, 17920, 40, 40, 10, 100352, 16384, sliding_window=None),
+    "phi-4-mini": _c("phi3", 3072, 8192, 32, 24, 8, 200064, 131072, sliding_window=None, **_TIE),
+    "mixtral-8x7b": _c("mixtral", 4096, 14336, 32, 32, 8, 32000, 32768, sliding_window=None,
+                       num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-8x22b": _c("mixtral", 6144, 16384, 56, 48, 8, 32768, 65536, sliding_window=None,
+                        num_local_experts=8, num_experts_per_tok=2),
 }
 
-# model_type values whose decoder layer is the Llama layer (RMSNorm, rotary, GQA, SwiGLU).
-_LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
-_REQUIRED = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "vocab_size",
-)
-
-
-def shape_from_config(config: dict, name: str = "config") -> ModelShape:
-    """Read a :class:`ModelShape` from the dict of an HF ``config.json``.
-
-    Raises:
-        ValueError: A key is missing or has the wrong type, or the architecture is not a
-            Llama-family causal LM.
-    """
-    if not isinstance(config, dict):
-        raise ValueError(f"{name}: expected a JSON object (an HF config.json), got {type(config).__name__}.")
-    model_type = config.get("model_type")
-    if model_type is not None and model_type not in _LLAMA_FAMILY:
-        raise ValueError(
-            f"{name}: model_type {model_type!r} is not modelled; tightfit plan knows the "
-            f"Llama-family decoder ({', '.join(sorted(_LLAMA_FAMILY))})."
-        )
-    missing = [k for k in _REQUIRED if k not in config]
-    if missing:
-        raise ValueError(
-            f"{name}: missing {', '.join(missing)}; a causal-LM config.json needs "
-            f"{', '.join(_REQUIRED)}."
-        )
-    heads = config["num_attention_heads"]
-    return ModelShape(
-        name=name,
-        hidden=config["hidden_size"],
-        intermediate=config["intermediate_size"],
-        layers=config["num_hidden_layers"],
-        heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
-        vocab=config["vocab_size"],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head_dim=config.get("head_dim") or 0,
-        qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-        max_positions=int(config.get("max_position_embeddings", 4096)),
-    )
+PRESETS: dict[str, ModelShape] = {n: shape_from_config(c, name=n) for n, c in _CONFIGS.items()}
 
 
 def load_shape(model: str | Path | ModelShape | dict) -> ModelShape:
@@ -197,7 +123,7 @@ def load_shape(model: str | Path | ModelShape | dict) -> ModelShape:
             raise FileNotFoundError(f"no such config file: {path}; pass a config.json or its folder.")
         raise ValueError(
             f"unknown model preset {str(model)!r}; known presets: {', '.join(PRESETS)}; "
-            "or pass the path of a local HF config.json."
+            "or pass the path of a local HF config.json (or its folder)."
         )
     try:
         config = json.loads(path.read_text())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from tightfit.checkpoint.plan import parse_policy
 from tightfit.measure.dtypes import DTYPE_BYTES, DtypeName, dtype_name
+from tightfit.planner.shapes import KNOWN_WEIGHTS, LLAMA_LINEARS
 
 if TYPE_CHECKING:
     from tightfit.optim.registry import OptimizerKind
@@ -29,9 +30,9 @@ OFFLOADED: tuple[str, ...] = ("checkpoint_offload", "stored_offload")
 # the paged 8-bit AdamW (bitsandbytes' blockwise layout). Lion, SGD, ... are not modelled.
 PLANNED_OPTIMIZERS: tuple[OptimizerKind, ...] = ("adamw", "paged_adamw", "paged_adamw8bit")
 
-ALL_LINEAR: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
+# The Llama layer's seven linears; "all-linear" (the default, tightfit train's too) adapts
+# every projection the model's family has (Phi-3's fused ones, MoE experts' weights).
+ALL_LINEAR: tuple[str, ...] = LLAMA_LINEARS
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,19 @@ class TrainSetup:
         double_quant: NF4 constants quantized again (8-bit absmax + fp32 per 256 blocks).
         blocksize: NF4 block size (values per fp32 absmax).
         lora_r: LoRA rank.
-        lora_targets: Linear layers of each decoder layer that get adapters.
+        lora_targets: ``"all-linear"`` (every projection of the family, MoE experts'
+            weights included, as ``tightfit train``'s default) or the names of the
+            projections of each decoder layer that get adapters.
         lora_dropout: Dropout on the adapter input (> 0 saves a mask and a copy per target).
-        adapter_dtype: Dtype of the adapters; peft keeps them in fp32 by default
-            (``autocast_adapter_dtype``), which makes each adapter save an fp32 copy of its
-            input when the compute dtype is 16-bit.
+        adapter_dtype: Dtype of the adapters and their gradients (``tightfit train
+            --lora-dtype``); peft keeps them in fp32 by default (``autocast_adapter_dtype``),
+            which makes each adapter save an fp32 copy of its input when the compute dtype
+            is 16-bit; the QLoRA paper's scripts keep them in bf16.
+        optimizer_state_dtype: Dtype of a 32-bit AdamW's two moments: ``"auto"`` is what
+            the optimizer keeps (torch's ``adamw``: the adapters' dtype; ``paged_adamw``:
+            float32 whatever the adapters', as bitsandbytes' ``paged_adamw_32bit``); a
+            dtype name is checked against that (bf16 adapters with fp32 state is
+            ``paged_adamw``).
         checkpoint: ``none``, ``every``, ``sqrt``, ``uniform:k`` or ``budget`` (the policies
             of :mod:`tightfit.checkpoint.plan`; ``selective`` is not modelled and refused).
         checkpoint_budget: Activation bytes for ``budget`` (layers + head/loss).
@@ -82,9 +91,10 @@ class TrainSetup:
     double_quant: bool = True
     blocksize: int = 64
     lora_r: int = 16
-    lora_targets: tuple[str, ...] = ALL_LINEAR
+    lora_targets: tuple[str, ...] | Literal["all-linear"] = "all-linear"
     lora_dropout: float = 0.0
     adapter_dtype: DtypeName = "float32"
+    optimizer_state_dtype: DtypeName | Literal["auto"] = "auto"
     checkpoint: str = "none"
     checkpoint_budget: int | None = None
     optimizer: OptimizerKind = "adamw"
@@ -105,18 +115,17 @@ class TrainSetup:
             object.__setattr__(self, name, dtype_name(getattr(self, name), what=name))
         if self.quant not in ("none", "int8", "nf4"):
             raise ValueError(f"quant must be 'none', 'int8' or 'nf4', got {self.quant!r}.")
-        if self.optimizer not in PLANNED_OPTIMIZERS:
-            hint = (" (tightfit's 8-bit AdamW is the paged one: 'paged_adamw8bit')"
-                    if self.optimizer == "adamw8bit" else "")
-            raise ValueError(
-                f"optimizer {self.optimizer!r} is not one the planner models{hint}; choose "
-                f"{', '.join(PLANNED_OPTIMIZERS)} (tightfit train's --optimizer names)."
-            )
-        bad = [t for t in self.lora_targets if t not in ALL_LINEAR]
-        if bad or not self.lora_targets:
-            raise ValueError(
-                f"lora_targets {bad or '()'} not understood; choose from {', '.join(ALL_LINEAR)}."
-            )
+        self._check_optimizer()
+        if self.lora_targets != "all-linear":
+            targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(
+                self.lora_targets)
+            object.__setattr__(self, "lora_targets", targets)
+            bad = [t for t in targets if t not in KNOWN_WEIGHTS]
+            if bad or not targets:
+                raise ValueError(
+                    f"lora_targets {bad or '()'} not understood; pass 'all-linear' or names "
+                    f"from {', '.join(KNOWN_WEIGHTS)}."
+                )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
@@ -127,6 +136,33 @@ class TrainSetup:
         if self.checkpoint == "budget" and (self.checkpoint_budget or 0) <= 0:
             raise ValueError("checkpoint='budget' needs checkpoint_budget=<bytes> > 0.")
         self._check_long_context()
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in PLANNED_OPTIMIZERS:
+            hint = (" (tightfit's 8-bit AdamW is the paged one: 'paged_adamw8bit')"
+                    if self.optimizer == "adamw8bit" else "")
+            raise ValueError(
+                f"optimizer {self.optimizer!r} is not one the planner models{hint}; choose "
+                f"{', '.join(PLANNED_OPTIMIZERS)} (tightfit train's --optimizer names)."
+            )
+        if self.optimizer_state_dtype == "auto":
+            return
+        want = dtype_name(self.optimizer_state_dtype, what="optimizer_state_dtype (or 'auto')")
+        object.__setattr__(self, "optimizer_state_dtype", want)
+        keeps = {"adamw": self.adapter_dtype, "paged_adamw": "float32"}.get(self.optimizer)
+        if want == keeps:
+            return
+        if self.optimizer == "adamw":
+            fix = ("for float32 state with 16-bit adapters choose optimizer='paged_adamw' "
+                   "(32-bit state whatever the adapters' dtype, as bitsandbytes' "
+                   "paged_adamw_32bit)" if want == "float32" else
+                   f"for {want} state keep the adapters in {want} (adapter_dtype)")
+            raise ValueError(f"optimizer 'adamw' (torch.optim.AdamW) keeps its state in the "
+                             f"adapters' dtype ({self.adapter_dtype}), not {want}; {fix}.")
+        what = ("8-bit state" if keeps is None else "float32 state")
+        raise ValueError(f"optimizer {self.optimizer!r} keeps {what}, not {want}; leave "
+                         "optimizer_state_dtype='auto', or choose optimizer='adamw' for state "
+                         "in the adapters' dtype.")
 
     def _check_long_context(self) -> None:
         if self.offload not in OFFLOADS:
@@ -139,6 +175,10 @@ class TrainSetup:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}.")
+
+    def adapts(self, name: str) -> bool:
+        """Whether the projection ``name`` gets adapters."""
+        return self.lora_targets == "all-linear" or name in self.lora_targets
 
     @property
     def tokens(self) -> int:
@@ -153,6 +193,19 @@ class TrainSetup:
     def a(self) -> int:
         """Bytes per element of the adapters."""
         return DTYPE_BYTES[self.adapter_dtype]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of a 32-bit AdamW's moments (torch's AdamW: the adapters'
+        dtype; the paged AdamW: fp32)."""
+        return 4 if self.optimizer == "paged_adamw" else self.a
+
+    @property
+    def state_dtype(self) -> str:
+        """What the optimizer keeps its moments in: a dtype name, or ``"8-bit"``."""
+        if self.optimizer.endswith("8bit"):
+            return "8-bit"
+        return "float32" if self.optimizer == "paged_adamw" else self.adapter_dtype
 
     @property
     def mlp_tile_tokens(self) -> int:

@@ -19,7 +19,8 @@ from tightfit.planner.train_args import missing_train_options
 class Row:
     """One configuration of the plan.
 
-    ``fits`` is ``fits_device and fits_host``. Under ``maximize``, ``maximum`` is the longest
+    ``fits`` is ``fits_device and fits_host`` with the plan's safety margin left free on the
+    device; ``tight``: it fits the device only inside that margin. Under ``maximize``, ``maximum`` is the longest
     sequence (largest batch) that fits, 0 when not even the smallest does, and the row's
     figures are at that size; ``limit`` says what stops it: ``"device"``, ``"host"``,
     ``"positions"`` (the model's position limit) or ``"nothing fits"``.
@@ -36,6 +37,7 @@ class Row:
     fits_host: bool = True
     maximum: int | None = None
     limit: str | None = None
+    tight: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
@@ -44,6 +46,7 @@ class Row:
             "fits": self.fits,
             "fits_device": self.fits_device,
             "fits_host": self.fits_host,
+            "tight": self.tight,
             "total_bytes": e.total,
             "pieces_bytes": e.pieces(),
             "host_bytes": e.host,
@@ -78,6 +81,7 @@ class PlanReport:
     host: HostLimit | None = None
     maximize: str | None = None
     granularity: int = 1
+    margin_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         host = self.host
@@ -87,6 +91,7 @@ class PlanReport:
             "gpu_bytes": self.gpu_bytes,
             "overhead": {"fixed_bytes": self.overhead.fixed_bytes,
                          "fraction": self.overhead.fraction},
+            "margin_bytes": self.margin_bytes,
             "host": None if host is None else {
                 "ram_bytes": host.ram_bytes, "pinned_fraction": host.pinned_fraction,
                 "budget_bytes": host.budget, "measured": host.measured},
@@ -125,25 +130,24 @@ def _unit(gpu_bytes: int) -> tuple[str, int]:
 def _fits(r: Row) -> str:
     if r.fits:
         return "yes"
+    if r.tight:
+        return "tight"
     return "NO" if not r.fits_device else "HOST"
 
 
 def _header_lines(report: PlanReport) -> list[str]:
     s = report.shape
     setup = report.rows[0].setup if report.rows else None
-    lines = [
-        f"model {s.name}: {s.num_params() / 1e9:.2f} B params, {s.layers} layers, hidden "
-        f"{s.hidden}, intermediate {s.intermediate}, heads {s.heads}/{s.kv_heads} kv, vocab "
-        f"{s.vocab}{', tied embeddings' if s.tie_embeddings else ''}",
-    ]
+    lines = [f"model {s.name}: {s.describe()}"]
     if setup is not None:
         batch = "the largest batch" if report.maximize == "batch" else f"batch {setup.batch}"
         seq = ("the longest sequence" if report.maximize == "seq"
                else f"{setup.seq_len} tokens")
+        targets = ("all linears" if setup.lora_targets == "all-linear"
+                   else ",".join(setup.lora_targets))
         lines.append(
             f"step: {batch} x {seq}, {setup.compute_dtype} compute, "
-            f"LoRA r={setup.lora_r} on {len(setup.lora_targets)} linears/layer "
-            f"({setup.adapter_dtype} adapters), AdamW"
+            f"LoRA r={setup.lora_r} on {targets} ({setup.adapter_dtype} adapters)"
         )
     unit, _ = _unit(report.gpu_bytes)
     host = ""
@@ -161,7 +165,7 @@ def _table_lines(report: PlanReport) -> list[str]:
     first = f"{'max ' + report.maximize:>10}" if maxed else ""
     header = f"{'#':>2} {'configuration':<{name_w}}{first}"
     header += "".join(f"{c:>8}" for c, _ in _COLUMNS)
-    header += f"{'total':>8}{'host':>8}  {'fits':<4} {'slowdown':>8}"
+    header += f"{'total':>8}{'host':>8}  {'fits':<5} {'slowdown':>8}"
     lines = [header, "-" * len(header)]
     for i, r in enumerate(rows, 1):
         p = r.estimate.pieces()
@@ -171,7 +175,7 @@ def _table_lines(report: PlanReport) -> list[str]:
             line += f"{r.maximum or 0:>10,}"
         line += "".join(f"{p[k] / scale:>8.2f}" for _, k in _COLUMNS)
         line += f"{r.estimate.total / scale:>8.2f}{r.estimate.host / scale:>8.2f}"
-        line += f"  {_fits(r):<4} {r.slowdown:>7.2f}x"
+        line += f"  {_fits(r):<5} {r.slowdown:>7.2f}x"
         lines.append(line)
     return lines
 
@@ -205,17 +209,7 @@ def _answer_lines(report: PlanReport) -> list[str]:
     rows = report.rows
     r = report.recommended
     if r is None:
-        smallest = min(rows, key=lambda r: r.estimate.total)
-        if report.maximize is not None:
-            return [f"nothing fits at even {report.granularity} "
-                    f"{'tokens' if report.maximize == 'seq' else 'sequences'}: the smallest "
-                    f"configuration ({smallest.name}) needs {format_bytes(smallest.estimate.total)}"
-                    f" of {format_bytes(report.gpu_bytes)}; try a larger --gpu."]
-        return [
-            f"nothing fits: the smallest configuration ({smallest.name}) needs "
-            f"{format_bytes(smallest.estimate.total)} of {format_bytes(report.gpu_bytes)}; "
-            "try a shorter --seq-len, a smaller --batch or a larger --gpu."
-        ]
+        return _nothing_fits(report)
     headroom = report.gpu_bytes - r.estimate.total
     if report.maximize is not None:
         size = (f"{r.maximum:,} tokens per sequence" if report.maximize == "seq"
@@ -231,6 +225,27 @@ def _answer_lines(report: PlanReport) -> list[str]:
     if missing:
         lines.append(f"  (tightfit train cannot select {' and '.join(missing)} yet: without "
                      "them this command does not run the planned configuration)")
+    return lines
+
+
+def _nothing_fits(report: PlanReport) -> list[str]:
+    """Why no row is recommended: the smallest total any row needs, and the tight rows."""
+    rows = report.rows
+    smallest = min(rows, key=lambda r: r.estimate.total)
+    room = format_bytes(report.gpu_bytes - report.margin_bytes)
+    need = (f"the smallest configuration (#{rows.index(smallest) + 1} {smallest.name}) needs "
+            f"{format_bytes(smallest.estimate.total)}; {room} of "
+            f"{format_bytes(report.gpu_bytes)} may be filled with the margin")
+    if report.maximize is not None:
+        unit = "tokens" if report.maximize == "seq" else "sequences"
+        lines = [f"nothing fits at even {report.granularity} {unit}: {need}; try a larger --gpu."]
+    else:
+        lines = [f"nothing fits: {need}; try a shorter --seq-len, a smaller --batch-size or a "
+                 "larger --gpu."]
+    tight = [f"#{rows.index(t) + 1}" for t in rows if t.tight]
+    if tight:
+        lines.append(f"  tight (fits only inside the margin): {', '.join(tight)}; --margin 0 "
+                     "accepts it at the risk of running out of memory")
     return lines
 
 

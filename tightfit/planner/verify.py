@@ -54,34 +54,18 @@ class Measurement:
     segments: tuple[Segment, ...]
 
 
-def _llama(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _hf_model(shape: ModelShape, dtype: torch.dtype) -> nn.Module:
+    """A random-weight transformers model of ``shape``'s family and sizes."""
+    import transformers
 
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tie_embeddings,
-        attention_bias=shape.qkv_bias,
-        max_position_embeddings=shape.max_positions,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config).to(dtype)
+    from tightfit.planner.configs import hf_config
+
+    cls = getattr(transformers, shape.traits.hf_class)
+    return cls(hf_config(shape)).to(dtype)
 
 
-def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
-    """Replace the decoder layers' linears by bitsandbytes 4-bit / 8-bit layers."""
-    if setup.quant == "nf4":
-        from tightfit.qlora.quantize import quantize_linears
-
-        quantize_linears(model, double_quant=setup.double_quant, compute_dtype=dtype,
-                         blocksize=setup.blocksize)
-        return
+def _quantize_int8(model: nn.Module) -> None:
+    """Replace the decoder layers' linears by bitsandbytes LLM.int8 layers."""
     import bitsandbytes as bnb
 
     for layer in model.model.layers:
@@ -100,42 +84,58 @@ def _quantize(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> None:
                 setattr(parent, name, q)
 
 
-def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
-    """A random-weight Llama-architecture model with the pieces of ``setup`` stacked.
+def _worst_case_routing(model: nn.Module) -> None:
+    """Zero every MoE router, so that every token goes to the same top-k experts: the
+    worst case the memory model assumes (all T tokens at one expert, :mod:`.moe`)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
 
-    Built by :func:`tightfit.prepare` (NF4 ± double quantization through bitsandbytes,
-    peft LoRA with fp32 adapters, the chunked loss), the way ``tightfit train`` builds it;
-    int8 weights and 16-bit adapters, which ``prepare`` does not offer, are stacked here
-    with bitsandbytes / peft directly.
+
+def _lora_options(setup: TrainSetup) -> dict[str, Any]:
+    targets = setup.lora_targets
+    return {"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
+            "target_modules": targets if targets == "all-linear" else tuple(targets),
+            "dtype": setup.adapter_dtype}
+
+
+def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
+    """A random-weight model of ``shape``'s family with the pieces of ``setup`` stacked.
+
+    Built by :func:`tightfit.prepare` (NF4 ± double quantization through bitsandbytes, MoE
+    experts in NF4 per expert, peft LoRA in the setup's adapter dtype, the chunked loss;
+    MoE routers zeroed: every token at the same experts, the worst case),
+    the way ``tightfit train`` builds it; int8 weights, which ``prepare`` does not offer,
+    are stacked here with bitsandbytes / peft directly.
     """
     torch.manual_seed(seed)
     dtype = torch_dtype(setup.compute_dtype)
-    model = _llama(shape, dtype)
-    if setup.quant != "int8" and setup.adapter_dtype == "float32":
-        from tightfit.qlora.prepare import prepare
+    model = _hf_model(shape, dtype)
+    if shape.is_moe:
+        _worst_case_routing(model)
+    if setup.quant == "int8":
+        return _stack_int8(model, setup)
+    from tightfit.qlora.prepare import prepare
 
-        model = prepare(
-            model, quant="nf4" if setup.quant == "nf4" else None,
-            double_quant=setup.double_quant, blocksize=setup.blocksize,
-            compute_dtype=setup.compute_dtype,
-            lora={"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
-                  "target_modules": tuple(setup.lora_targets)},
-            checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
-        )
-    else:
-        model = _stack_directly(model, setup, dtype)
+    model = prepare(
+        model, quant="nf4" if setup.quant == "nf4" else None,
+        double_quant=setup.double_quant, blocksize=setup.blocksize,
+        compute_dtype=setup.compute_dtype, lora=_lora_options(setup),
+        checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
+    )
     install_tiling(model, setup)
     return model
 
 
-def _stack_directly(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> nn.Module:
-    """int8 weights / 16-bit adapters, which ``prepare`` does not offer, via bnb and peft."""
+def _stack_int8(model: nn.Module, setup: TrainSetup) -> nn.Module:
+    """int8 weights, which ``prepare`` does not offer, via bitsandbytes and peft."""
     from peft import LoraConfig, get_peft_model
 
-    if setup.quant != "none":
-        _quantize(model, setup, dtype)
+    _quantize_int8(model)
+    targets = setup.lora_targets
     lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r,
-                      target_modules=list(setup.lora_targets), lora_dropout=setup.lora_dropout)
+                      target_modules=targets if targets == "all-linear" else list(targets),
+                      lora_dropout=setup.lora_dropout)
     model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "float32")
     for n, p in model.named_parameters():
         if "lora_" in n:
@@ -144,6 +144,7 @@ def _stack_directly(model: nn.Module, setup: TrainSetup, dtype: torch.dtype) -> 
         from tightfit.loss import enable_chunked_loss
 
         enable_chunked_loss(model, chunk_tokens=setup.loss_chunk_tokens)
+    install_tiling(model, setup)
     return model
 
 
@@ -157,8 +158,14 @@ def _storages(tensors) -> int:  # noqa: ANN001
 
 
 def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    from tightfit.qlora.experts import expert_specs, is_4bit_experts
+
     out: list[torch.Tensor] = []
     for m in model.modules():
+        if is_4bit_experts(m):  # MoE experts: each weight's constants are module buffers
+            for name in expert_specs(m):
+                out += [b for k, b in m.named_buffers(recurse=False)
+                        if k.startswith(f"{name}_")]
         w = getattr(m, "weight", None)
         qs = getattr(w, "quant_state", None)
         if qs is not None:
@@ -203,14 +210,18 @@ def measure_head_loss(shape: ModelShape, setup: TrainSetup, model: nn.Module) ->
     dtype = torch_dtype(setup.compute_dtype)
     hidden = torch.randn(setup.batch, setup.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
+    cap = shape.final_softcap
     with MemoryTracker("cpu") as mt:
         if setup.loss_chunk_tokens is not None:
-            from tightfit.loss import chunked_cross_entropy
+            from tightfit.loss import LogitTransform, chunked_cross_entropy
 
-            loss = chunked_cross_entropy(hidden, base.lm_head, labels,
-                                         chunk_tokens=setup.loss_chunk_tokens)
+            loss = chunked_cross_entropy(
+                hidden, base.lm_head, labels, chunk_tokens=setup.loss_chunk_tokens,
+                transform=None if cap is None else LogitTransform(softcap=cap))
         else:
             logits = base.lm_head(hidden)
+            if cap is not None:  # as Gemma 2's forward soft-caps them
+                logits = torch.tanh(logits / cap) * cap
             loss = ForCausalLMLoss(logits, labels, shape.vocab)
             if not setup.keep_logits:
                 del logits

@@ -127,9 +127,9 @@ def test_frozen_nf4_base_and_lora(llama: tuple) -> None:
     assert 0.9 * plan.predicted_peak_bytes <= peak <= 1.1 * plan.predicted_peak_bytes
 
 
-def test_old_offload_true_puts_checkpointed_inputs_on_the_next_tier(llama: tuple) -> None:
+def test_offload_inputs_puts_checkpointed_inputs_on_the_next_tier(llama: tuple) -> None:
     model, batch, (loss0, g0, _), prof = llama
-    plan = ck.enable(model, "every", profiled=prof, offload=True, offload_min_bytes=MIN_BYTES,
+    plan = ck.enable(model, "every", profiled=prof, offload="inputs", offload_min_bytes=MIN_BYTES,
                      offload_bandwidth=1e9)
     try:
         assert {s.kind for s in plan.segments} == {"checkpoint_offload"}

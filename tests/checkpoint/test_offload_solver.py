@@ -159,14 +159,16 @@ def test_auto_changes_nothing_when_nothing_is_big_enough_to_move() -> None:
     budget = (min_peak(prof) + prof.peak_bytes) // 2
     auto = ck.enable(model, "budget", budget=budget, profiled=prof)  # default: auto, 1 MiB
     ck.disable(model)
-    off = ck.enable(model, "budget", budget=budget, profiled=prof, offload=False)
+    off = ck.enable(model, "budget", budget=budget, profiled=prof, offload="none")
     ck.disable(model)
     assert auto.segments == off.segments and not auto.offload and auto.tier is None
 
 
 def test_bad_offload_arguments_are_refused(chain: tuple, tmp_path) -> None:  # noqa: ANN001
     model, x, _, prof = chain
-    for kw, msg in [({"offload": "yes"}, "offload must be True, False or 'auto'"),
+    for kw, msg in [({"offload": "yes"}, "offload must be one of 'auto', 'none', 'inputs', "
+                                         "'all', got 'yes'"),
+                    ({"offload": 1}, "offload must be one of"),
                     ({"host_budget": -1}, "host_budget must be"),
                     ({"offload_min_bytes": 0}, "offload_min_bytes must be"),
                     ({"offload_bandwidth": 0}, "offload_bandwidth must be"),
@@ -175,3 +177,29 @@ def test_bad_offload_arguments_are_refused(chain: tuple, tmp_path) -> None:  # n
         with pytest.raises(ValueError, match=msg):
             ck.enable(model, "every", profiled=prof, **kw)
     assert not ck.apply.is_enabled(model)
+
+
+def test_old_booleans_warn_and_mean_inputs_and_none(chain: tuple) -> None:
+    model, _, _, prof = chain
+    plans = {}
+    for old, new in [(True, "inputs"), (False, "none")]:
+        with pytest.warns(DeprecationWarning, match=f"offload={new!r}"):
+            before = ck.enable(model, "every", profiled=prof, offload=old, offload_bandwidth=1e9)
+        ck.disable(model)
+        plans[new] = ck.enable(model, "every", profiled=prof, offload=new, offload_bandwidth=1e9)
+        ck.disable(model)
+        assert before.segments == plans[new].segments
+    assert {s.kind for s in plans["inputs"].segments} == {"checkpoint_offload"}
+    assert {s.kind for s in plans["none"].segments} == {"checkpoint"}
+
+
+def test_offload_all_offloads_stored_blocks_one_a_segment(chain: tuple) -> None:
+    model, _, _, prof = chain
+    plan = ck.enable(model, "none", profiled=prof, offload="all", offload_bandwidth=1e9)
+    ck.disable(model)
+    n = len(prof.blocks)
+    assert [(s.start, s.stop, s.kind) for s in plan.segments] == [
+        (i, i + 1, "stored_offload") for i in range(n)]
+    mixed = ck.enable(model, "uniform:2", profiled=prof, offload="all", offload_bandwidth=1e9)
+    ck.disable(model)
+    assert {s.kind for s in mixed.segments} == {"checkpoint_offload"}

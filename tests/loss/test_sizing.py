@@ -15,6 +15,7 @@ from tightfit.loss import (
     head_kind_of,
     predict_head_loss_bytes,
 )
+from tightfit.loss.sizing import BUDGET_SHARE
 from tightfit.measure.tracker import MemoryTracker
 
 T, H, V = 128, 32, 4096  # logits dominate, as they do at real sizes
@@ -113,6 +114,26 @@ def test_auto_chunk_default_rule():
     # 100 tokens of a 1M vocabulary: a tenth allows 40 tokens, the floor says 64, so two
     # even chunks of 50, rounded up to 56
     assert auto_chunk_tokens(1_000_000, 100, 1, torch.float32) == 56
+
+
+def test_auto_chunk_under_an_activation_budget_takes_an_eighth_of_it():
+    n, vocab = 16_384, 32_000
+    per_token = chunk_bytes_per_token(vocab, torch.bfloat16)
+    default = auto_chunk_tokens(vocab, n, 1, torch.bfloat16)
+    # a roomy step keeps the default chunk
+    assert auto_chunk_tokens(vocab, n, 1, torch.bfloat16, activation_budget=1 << 40) == default
+    # a tight one: at most an eighth of the budget per chunk, evened out over the chunks
+    budget = 64 << 20
+    chunk = auto_chunk_tokens(vocab, n, 1, torch.bfloat16, activation_budget=budget)
+    assert chunk < default and chunk * per_token <= budget // BUDGET_SHARE
+    chunks = -(-n // chunk)
+    assert (chunks - 1) * chunk < n and -(-n // (chunks - 1)) * per_token > budget // BUDGET_SHARE
+    # a budget below one token's share still leaves one token per chunk
+    assert auto_chunk_tokens(vocab, n, 1, torch.bfloat16, activation_budget=1) == 1
+    with pytest.raises(ValueError, match="not both"):
+        auto_chunk_tokens(vocab, n, 1, torch.bfloat16, 1 << 20, activation_budget=budget)
+    with pytest.raises(ValueError, match="activation_budget must be a positive int"):
+        auto_chunk_tokens(vocab, n, 1, torch.bfloat16, activation_budget=0)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,9 +15,12 @@ from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.offload import tier_of, tier_speed
 from tightfit.checkpoint.plan import (
     MIN_OFFLOAD_BYTES,
+    OFFLOADS,
+    OffloadMode,
     OffloadTier,
     Plan,
     Segment,
+    offload_all,
     offload_inputs,
     offload_sizes,
     parse_policy,
@@ -35,7 +39,7 @@ def enable(
     budget: int | None = None,
     example: Mapping[str, Any] | torch.Tensor | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    offload: bool | Literal["auto"] = "auto",
+    offload: OffloadMode | bool = "auto",
     host_budget: int | None = None,
     spill_dir: str | None = None,
     profiled: Profile | None = None,
@@ -56,12 +60,16 @@ def enable(
             peak and recompute to the plan. The model must return a ``.loss`` or a tensor
             (whose sum is used) for it.
         blocks: The chain of layers, in forward order; found automatically when ``None``.
-        offload: Where activations may wait for their backward. ``"auto"``: the budget
-            solver may move a segment's saved tensors, or a checkpointed segment's input, to
-            the next tier (pinned host RAM on CUDA, a spill file on the CPU) when that is
-            needed to fit or costs less than recomputing; fixed policies do not offload.
-            ``True``: every checkpointed segment's input goes to the next tier. ``False``:
-            nothing moves.
+        offload: Where activations may wait for their backward (the vocabulary of
+            ``tightfit.prepare``, ``TrainSetup`` and ``tightfit train --offload``).
+            ``"auto"``: the budget solver may move a segment's saved tensors, or a
+            checkpointed segment's input, to the next tier (pinned host RAM on CUDA, a spill
+            file on the CPU) when that is needed to fit or costs less than recomputing;
+            fixed policies do not offload. ``"inputs"``: every checkpointed segment's input
+            goes to the next tier (the budget solver chooses among stored and
+            ``checkpoint_offload``). ``"all"``: that, and stored blocks' saved tensors too
+            (``stored_offload``, one block a segment). ``"none"``: nothing moves. The old
+            ``True`` / ``False`` still mean ``"inputs"`` / ``"none"`` (deprecated).
         host_budget: Bytes the offloaded activations may take on the next tier (leave room
             for the paged optimizer's host pages there). ``None``: what the tier has free
             now (free disk of the spill folder; host RAM that can be pinned).
@@ -80,14 +88,10 @@ def enable(
         ValueError / TypeError: Unknown policy, missing or impossible budget, no blocks
             found, an example the model cannot run. The model is left unchanged.
     """
-    name, _ = parse_policy(policy)
-    if name == "budget" and (budget is None or (example is None and profiled is None)):
-        raise ValueError("policy='budget' needs budget=<bytes> and example=<a batch>; or "
-                         "pick a fixed policy such as 'every' or 'sqrt'.")
-    if budget is not None and (not isinstance(budget, int) or budget <= 0):
-        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
+    offload = _offload_mode(offload)
+    _check_budget(policy, budget, example is not None or profiled is not None)
     tier_args = (host_budget, spill_dir, offload_min_bytes, offload_bandwidth)
-    _check_offload_args(offload, *tier_args)
+    _check_offload_args(*tier_args)
     if _hf_checkpointing_on(model):
         raise ValueError("the model already has Hugging Face gradient checkpointing on; call "
                          "model.gradient_checkpointing_disable() before tightfit.checkpoint."
@@ -109,27 +113,53 @@ def enable(
     return plan
 
 
+def _check_budget(policy: str, budget: object, has_example: bool) -> None:
+    """Refuse an unknown policy, and a budget policy without its budget and example."""
+    name, _ = parse_policy(policy)
+    if name == "budget" and (budget is None or not has_example):
+        raise ValueError("policy='budget' needs budget=<bytes> and example=<a batch>; or "
+                         "pick a fixed policy such as 'every' or 'sqrt'.")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget <= 0):
+        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
+
+
+def _offload_mode(offload: object) -> bool | str:
+    """``offload`` in the solver's terms (``False``, ``True``, ``"auto"``, ``"all"``), the old
+    booleans accepted with a deprecation warning."""
+    if isinstance(offload, bool):
+        new = "inputs" if offload else "none"
+        warnings.warn(f"checkpoint.enable(offload={offload}) is deprecated; pass "
+                      f"offload={new!r} (the vocabulary of tightfit.prepare and tightfit train "
+                      f"--offload: {', '.join(OFFLOADS)}).", DeprecationWarning, stacklevel=3)
+        return offload
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got "
+                         f"{offload!r}.")
+    return {"none": False, "inputs": True}.get(offload, offload)  # type: ignore[arg-type]
+
+
 def _plan_for(chain: list[nn.Module], policy: str, budget: int | None, prof: Profile | None,
               offload: bool | str, tier_args: tuple) -> Plan:
     """The plan of ``policy``: predicted from ``prof``, or (without one) just its segments."""
     name, k = parse_policy(policy)
     notes: list[str] = []
+    fixed = offload in (True, "all")  # what a fixed policy offloads ("auto": nothing)
     if prof is None:
         segments = structural_segments(name, k, len(chain))
-        segments = offload_inputs(segments) if offload is True else segments
+        if fixed:
+            segments = (offload_all if offload == "all" else offload_inputs)(segments)
         tier = _tier(chain, offload, None, notes, *tier_args)
         return Plan(policy, segments, notes=tuple(notes),
                     tier=tier if any(s.offloads for s in segments) else None)
-    # fixed policies offload only when asked to (True); "auto" is the budget solver's choice
-    tier = _tier(chain, offload if name == "budget" else offload is True, prof, notes, *tier_args)
+    # fixed policies offload only when asked to; "auto" is the budget solver's choice
+    tier = _tier(chain, offload if name == "budget" else fixed, prof, notes, *tier_args)
     return make_plan(prof, policy, budget=budget, offload=offload,  # type: ignore[arg-type]
                      tier=tier, notes=tuple(notes))
 
 
-def _check_offload_args(offload: object, host_budget: object, spill_dir: object,
-                        min_bytes: object, bandwidth: object) -> None:
-    if offload not in (True, False, "auto") or not isinstance(offload, bool | str):
-        raise ValueError(f"offload must be True, False or 'auto', got {offload!r}.")
+def _check_offload_args(host_budget: object, spill_dir: object, min_bytes: object,
+                        bandwidth: object) -> None:
     if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
         raise ValueError(f"host_budget must be a number of bytes ≥ 0 or None, got "
                          f"{host_budget!r}.")

@@ -23,6 +23,10 @@ PolicyName = Literal["none", "every", "sqrt", "uniform", "budget", "selective"]
 POLICIES = ("none", "every", "sqrt", "uniform:k", "budget", "selective")
 MIN_OFFLOAD_BYTES = 1 << 20
 """Saved storages smaller than this stay on the device: moving them costs more than it frees."""
+# Where activations may wait for backward: one vocabulary for checkpoint.enable, prepare(),
+# the planner's TrainSetup (which names a configuration, so has no "auto") and tightfit train.
+OffloadMode = Literal["auto", "none", "inputs", "all"]
+OFFLOADS: tuple[str, ...] = ("auto", "none", "inputs", "all")
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,19 @@ def structural_segments(name: PolicyName, k: int | None, n: int) -> tuple[Segmen
 
 
 def offload_inputs(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
-    """``offload=True``: every checkpointed segment's input waits on the next tier."""
+    """``offload="inputs"``: every checkpointed segment's input waits on the next tier."""
     return tuple(Segment(s.start, s.stop, "checkpoint_offload") if s.kind == "checkpoint" else s
                  for s in segments)
+
+
+def offload_all(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """``offload="all"``: checkpointed inputs on the next tier, and every stored block's saved
+    tensors too, one block a segment (a segment moves and is prefetched whole, so one block
+    each keeps one block's bytes in flight; the planner's ``placed`` cuts them the same way)."""
+    out: list[Segment] = []
+    for s in offload_inputs(segments):
+        if s.kind == "stored":
+            out += [Segment(i, i + 1, "stored_offload") for i in range(s.start, s.stop)]
+        else:
+            out.append(s)
+    return tuple(out)

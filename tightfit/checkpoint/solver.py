@@ -32,6 +32,7 @@ from tightfit.checkpoint.plan import (
     OffloadTier,
     Plan,
     Segment,
+    offload_all,
     offload_inputs,
     parse_policy,
     structural_segments,
@@ -39,13 +40,15 @@ from tightfit.checkpoint.plan import (
 
 _MIB = 1024 * 1024
 _FRONT_CAP = 512  # per boundary; far above what chains of a few hundred blocks produce
-Offload = bool | Literal["auto"]
+Offload = bool | Literal["auto", "all"]
 
 # the placements the DP may use, plain ones first (equal cost: the plain one wins)
 PLACEMENTS: dict[object, tuple[str, ...]] = {
     False: ("stored", "checkpoint"),
     True: ("stored", "checkpoint_offload"),
     "auto": ("stored", "checkpoint", "stored_offload", "checkpoint_offload"),
+    # a stored_offload with nothing big enough to move stays a plain stored block
+    "all": ("stored_offload", "checkpoint_offload"),
 }
 
 
@@ -261,7 +264,8 @@ def _no_plan_message(prof: Profile, budget: int, tables: Tables, offload: Offloa
     where = f"{tier.name} tier" if tier is not None else "next tier"
     msg = (f"budget {budget / _MIB:.1f} MiB ({budget} bytes) is below the smallest peak any "
            f"checkpoint plan reaches on this example, {need / _MIB:.1f} MiB ({need} bytes)")
-    if host:
+    if host or (offload is not False and tier is not None):
+        # the host bytes are named even when 0: "how much host memory would it need" is asked
         msg += f", with {host} bytes ({host / _MIB:.1f} MiB) offloaded to the {where}"
     if host_budget is not None and tier is not None and offload is not False:
         free, free_host, _ = smallest_peak(prof, Tables(prof, offload, tier))
@@ -279,8 +283,9 @@ def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload:
     """Build the plan of ``policy`` for a profiled model, with its predictions.
 
     ``offload``: ``False`` never offloads; ``True`` puts every checkpointed segment's input on
-    the next tier; ``"auto"`` lets the budget solver use every placement. Offloading needs a
-    ``tier`` (its ``host_budget`` bounds the host bytes).
+    the next tier; ``"all"`` also stored blocks' saved tensors; ``"auto"`` lets the budget
+    solver use every placement. Offloading needs a ``tier`` (its ``host_budget`` bounds the
+    host bytes).
     """
     name, k = parse_policy(policy)
     host_budget = tier.host_budget if tier is not None else None
@@ -292,6 +297,8 @@ def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload:
         segments = structural_segments(name, k, len(prof.blocks))
         if offload is True:
             segments = offload_inputs(segments)
+        elif offload == "all":
+            segments = offload_all(segments)
     return _plan_of(prof, segments, budget if name == "budget" else None, policy=policy,
                     tier=tier, notes=notes)
 

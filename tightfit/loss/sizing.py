@@ -45,6 +45,11 @@ DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
 MIN_AUTO_CHUNK_TOKENS = 64
 MIN_AUTO_CHUNK_BYTES = 32 * 2**20
 
+#: Under an activation budget (``auto_chunk_tokens(activation_budget=...)``) one chunk's
+#: working set takes at most this share of it: once a long step's layers are tiled and
+#: offloaded, the default 32-256 MiB chunk would otherwise be the step's peak.
+BUDGET_SHARE = 8
+
 _LOSS_FP32 = 4  # the loss is always computed on fp32 logits
 _ROW_VECTORS = 64  # bytes per chunk row of per-row vectors (max, sum, lse, target, masks)
 
@@ -163,6 +168,7 @@ def auto_chunk_tokens(
     *,
     head_kind: HeadKind = "linear",
     softcap: bool = False,
+    activation_budget: int | None = None,
 ) -> int:
     """Tokens per chunk for a vocabulary, batch shape and dtype.
 
@@ -178,16 +184,30 @@ def auto_chunk_tokens(
             then evened out over the chunks (and rounded up to a multiple of 8 if that fits).
         head_kind: See :func:`predict_head_loss_bytes`.
         softcap: See :func:`predict_head_loss_bytes`.
+        activation_budget: Bytes the whole step's activations may take (a checkpoint
+            budget). With ``budget=None`` the default rule's chunk is shrunk, where needed,
+            until one chunk's working set is at most ``1 / BUDGET_SHARE`` of it (evened out
+            over the chunks, at least one token); the default is kept when it is smaller.
 
     Returns:
         Tokens per chunk, between 1 and ``seq_len * batch``.
 
     Raises:
-        ValueError: A size is not positive, or ``budget`` is below one token's bytes.
+        ValueError: A size is not positive, ``budget`` is below one token's bytes, or both
+            ``budget`` and ``activation_budget`` are given.
     """
     _check_positive(vocab_size=vocab_size, seq_len=seq_len, batch=batch)
     n = seq_len * batch
     per_token = chunk_bytes_per_token(vocab_size, dtype, head_kind=head_kind, softcap=softcap)
+    if activation_budget is not None:
+        if budget is not None:
+            raise ValueError("pass budget (one chunk's bytes) or activation_budget (the step's), "
+                             "not both.")
+        _check_positive(activation_budget=activation_budget)
+        default = auto_chunk_tokens(vocab_size, seq_len, batch, dtype, head_kind=head_kind,
+                                    softcap=softcap)
+        largest = max(1, activation_budget // BUDGET_SHARE // per_token)
+        return default if default <= largest else -(-n // -(-n // largest))
     if budget is not None:
         _check_positive(budget=budget)
         if budget < per_token:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from tightfit.checkpoint.plan import OFFLOADS, OffloadMode
 from tightfit.measure.dtypes import DtypeName, dtype_name, torch_dtype
 
 QuantKind = Literal["nf4", "fp4"]
@@ -33,6 +34,12 @@ class LoraOptions:
             "(every linear layer and MoE expert weight except the output head)"
         },
     )
+    dtype: DtypeName = field(
+        default="float32",
+        metadata={"help": "dtype of the adapters and their gradients: float32 (peft's default "
+                          "upcast), or bfloat16/float16 as the QLoRA paper's scripts keep them "
+                          "(halves their bytes; the optimizer decides its state's dtype)"},
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -46,6 +53,8 @@ class LoraOptions:
             object.__setattr__(self, "target_modules", parts)
         if not self.target_modules:
             raise ValueError("LoRA target_modules is empty; pass 'all-linear' or module names.")
+        # a short form ("bf16") is accepted and kept under its canonical name
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, what="LoRA dtype"))
 
     @classmethod
     def coerce(cls, value: LoraOptions | Mapping[str, Any] | None) -> LoraOptions | None:
@@ -97,9 +106,34 @@ class PrepareOptions:
             "(default: halfway between the smallest plan's peak and no checkpointing)"
         },
     )
-    loss_chunks: int | Literal["auto"] | None = field(
+    loss_chunks: int | Literal["auto", "none"] | None = field(
         default="auto",
         metadata={"help": "tokens per chunk of the LM head + loss: auto, an integer, or none"},
+    )
+    # long context (docs/checkpoint.md, "Long context in prepare and tightfit train")
+    offload: OffloadMode = field(
+        default="auto",
+        metadata={"help": "where activations wait for backward: auto (on the next tier only "
+                          "when the checkpoint budget needs it), none, inputs (each "
+                          "checkpointed segment's input), all (also stored layers' saved "
+                          "tensors); the next tier is pinned host RAM on CUDA, a spill file "
+                          "on the CPU"},
+    )
+    offload_host_budget: int | None = field(
+        default=None,
+        metadata={"help": "bytes offloaded activations may take on the next tier (default: "
+                          "what it has free; leave room there for the optimizer's host pages)"},
+    )
+    offload_dir: str | None = field(
+        default=None,
+        metadata={"help": "folder of the CPU's activation spill files (default: the temp "
+                          "folder)"},
+    )
+    mlp_tile: int | Literal["auto", "none"] | None = field(
+        default="auto",
+        metadata={"help": "tokens per tile of each layer's MLP: auto (tiled only when a long "
+                          "sequence does not fit the budget otherwise, the tile chosen by "
+                          "prediction), none, or an integer (always tiled)"},
     )
 
     def __post_init__(self) -> None:
@@ -115,8 +149,36 @@ class PrepareOptions:
             raise ValueError(
                 f"checkpoint_budget must be a positive number of bytes, got {self.checkpoint_budget}."
             )
+        if self.loss_chunks == "none":
+            # the spelling checkpoint="none" uses (and the command line's): no chunking
+            object.__setattr__(self, "loss_chunks", None)
+        if isinstance(self.loss_chunks, str) and self.loss_chunks != "auto":
+            raise ValueError(f"loss_chunks must be 'auto', 'none' or a number of tokens, got "
+                             f"{self.loss_chunks!r}.")
         if isinstance(self.loss_chunks, int) and self.loss_chunks < 1:
             raise ValueError(f"loss_chunks must be >= 1 tokens or 'auto', got {self.loss_chunks}.")
+        self._check_long_context()
+
+    def _check_long_context(self) -> None:
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got "
+                             f"{self.offload!r}.")
+        if self.offload == "inputs" and self.checkpoint in (None, "none"):
+            raise ValueError("offload='inputs' moves checkpointed segments' inputs, and "
+                             "checkpoint='none' checkpoints nothing; pick a checkpoint policy "
+                             "or offload='all' (stored layers' saved tensors).")
+        if self.mlp_tile == "none":
+            object.__setattr__(self, "mlp_tile", None)  # as loss_chunks spells "no tiles"
+        tile = self.mlp_tile
+        if tile is not None and tile != "auto" and (
+                isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"mlp_tile must be 'auto', 'none' or a positive number of tokens, "
+                             f"got {tile!r}.")
+        budget = self.offload_host_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ValueError(f"offload_host_budget must be a number of bytes >= 0 or None, got "
+                             f"{budget!r}.")
 
     def torch_compute_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype as a torch dtype, ``auto`` resolved for ``device``."""

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tightfit.measure.dtypes import torch_dtype
 from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import (
     check_experts,
@@ -32,6 +33,7 @@ from tightfit.qlora.experts import (
     expert_weight_names,
     quantize_experts,
 )
+from tightfit.qlora.longctx import check_inputs, plan_activations
 from tightfit.qlora.options import LoraOptions, PrepareOptions
 from tightfit.qlora.quantize import _output_head_names, linear4bit_layers, quantize_linears
 from tightfit.qlora.state4bit import take_saved_quant_state
@@ -53,6 +55,8 @@ class PrepareInfo:
             would train).
         plan: The installed checkpoint plan (``None`` when checkpointing is off).
         loss_chunks: Tokens per loss chunk actually installed (``None``: unchunked).
+        tiling: The tiled MLPs (:class:`tightfit.checkpoint.Tiling`; ``None``: untiled),
+            chosen when a long step needed them (:mod:`tightfit.qlora.longctx`).
         notes: Anything the caller should know (a fallback taken, a piece skipped, the
             weights left in full precision or without adapters).
     """
@@ -67,6 +71,7 @@ class PrepareInfo:
     plan: Any = None
     loss_chunks: int | str | None = None
     notes: list[str] = field(default_factory=list)
+    tiling: Any = None
 
 
 def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> nn.Module:
@@ -169,6 +174,10 @@ def prepare(
     example: Mapping[str, Any] | torch.Tensor | None = None,
     device: torch.device | str | None = None,
     options: PrepareOptions | None = None,
+    offload: str = "auto",
+    offload_host_budget: int | None = None,
+    offload_dir: str | None = None,
+    mlp_tile: int | str | None = "auto",
 ) -> nn.Module:
     """Stack the QLoRA memory pieces on a causal LM and return the model to train.
 
@@ -186,11 +195,19 @@ def prepare(
         checkpoint_budget: Bytes of activations the ``"budget"`` policy may use; when
             ``None``, halfway between the smallest peak any plan reaches and no
             checkpointing (profiled on ``example``).
-        loss_chunks: Tokens per chunk of the LM head + loss, ``"auto"`` or ``None``.
+        loss_chunks: Tokens per chunk of the LM head + loss, ``"auto"`` or ``None`` (or
+            ``"none"``, as ``checkpoint="none"`` is spelled).
         example: A batch as the model is called with it (``{"input_ids": ..., "labels": ...}``);
             the planner profiles it. Without one, ``"budget"`` falls back to ``"sqrt"``.
         device: Where to put the model (default: CUDA when available, else the CPU).
-        options: A full :class:`PrepareOptions`, overriding the keyword arguments above.
+        options: A full :class:`PrepareOptions`, overriding the keyword arguments.
+        offload: Where activations wait for backward: ``"auto"`` (the budget solver moves
+            them to the next tier when the budget needs it), ``"none"``, ``"inputs"``
+            (checkpointed segments' inputs), ``"all"`` (stored layers' saved tensors too).
+        offload_host_budget: Bytes offloaded activations may take on the next tier.
+        offload_dir: Folder of the CPU's activation spill files (default: temp folder).
+        mlp_tile: Tokens per MLP tile: ``"auto"`` (only when a long step needs it; see
+            :mod:`tightfit.qlora.longctx`), ``"none"`` / ``None``, or an int (always).
 
     Returns:
         The prepared model (a peft model when LoRA is on), with ``model.tightfit_info``.
@@ -207,11 +224,28 @@ def prepare(
             checkpoint=checkpoint,
             checkpoint_budget=checkpoint_budget,
             loss_chunks=loss_chunks,  # type: ignore[arg-type]
+            offload=offload,  # type: ignore[arg-type]
+            offload_host_budget=offload_host_budget,
+            offload_dir=offload_dir,
+            mlp_tile=mlp_tile,  # type: ignore[arg-type]
         )
+    return _prepare(model_or_path, options, lora, example, device)
+
+
+def _prepare(
+    model_or_path: nn.Module | str | os.PathLike[str],
+    options: PrepareOptions,
+    lora: LoraOptions | Mapping[str, Any] | Literal[False] | None,
+    example: Mapping[str, Any] | torch.Tensor | None,
+    device: torch.device | str | None,
+) -> nn.Module:
+    """:func:`prepare` once its keyword arguments are one :class:`PrepareOptions`."""
+    # -- 1. check everything before anything changes --------------------------------------
     lora_opts = None if lora is False else (LoraOptions.coerce(lora) or LoraOptions())
     dev, cdtype = _check_device_and_policy(options, device)
     model = _take_model(model_or_path)
     targets, expert_targets = _check_model(model, options, lora_opts)
+    check_inputs(model, options, example)
     info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
@@ -226,8 +260,8 @@ def prepare(
     # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
 
-    # -- 5. checkpoint plan -------------------------------------------------------------
-    info.plan = _apply_checkpoint(model, options, example, dev, info.notes)
+    # -- 5. checkpoint plan (with offload, tiled MLPs and a sized chunk for a long step) ----
+    info.plan = plan_activations(model, options, example, dev, info)
     model.tightfit_info = info  # type: ignore[assignment]
     return model
 
@@ -327,59 +361,16 @@ def _add_lora(
         # peft reads transformers' deprecated `is_gradient_checkpointing` property; the
         # FutureWarning is about peft's code, not the user's, so it is only noise here.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        # Adapters train in fp32 whatever the compute dtype (standard QLoRA practice):
-        # peft upcasts bf16/fp16 adapters itself (autocast_adapter_dtype, on by default).
-        return get_peft_model(model, cfg)
-
-
-def _move_example(example: Any, dev: torch.device) -> Any:
-    if isinstance(example, torch.Tensor):
-        return example.to(dev)
-    if isinstance(example, Mapping):
-        return {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in example.items()}
-    return example
-
-
-def _apply_checkpoint(
-    model: nn.Module,
-    options: PrepareOptions,
-    example: Any,
-    dev: torch.device,
-    notes: list[str],
-) -> Any:
-    policy = options.checkpoint
-    if policy in (None, "none"):
-        return None
-    from tightfit import checkpoint as ckpt
-
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "use_cache", False):
-        cfg.use_cache = False  # a KV cache is for generation; recompute would write it twice
-    example = _move_example(example, dev)
-    if example is not None and isinstance(example, Mapping) and "labels" not in example:
-        example = {**example, "labels": example["input_ids"]}
-    if policy == "budget":
-        if example is None:
-            notes.append("checkpoint='budget' needs an example batch; used 'sqrt' instead.")
-            return ckpt.enable(model, "sqrt")
-        budget, profiled = options.checkpoint_budget, None
-        if budget is None:
-            # No budget given: halfway between the smallest peak any plan reaches and no
-            # checkpointing, so the plan saves memory at a fraction of every-layer recompute.
-            from tightfit.checkpoint.solver import min_peak
-
-            none_plan = ckpt.enable(model, "none", example=example)
-            ckpt.disable(model)
-            profiled = none_plan.profile  # profile once: the budget plan reuses it
-            lowest = int(min_peak(profiled))
-            budget = lowest + (int(none_plan.predicted_peak_bytes) - lowest) // 2
-            notes.append(
-                f"checkpoint budget: halfway between the smallest plan's peak "
-                f"({lowest / 2**20:.1f} MiB) and no checkpointing "
-                f"({none_plan.predicted_peak_bytes / 2**20:.1f} MiB) = {budget / 2**20:.1f} MiB"
-            )
-        return ckpt.enable(model, "budget", budget=budget, example=example, profiled=profiled)
-    return ckpt.enable(model, policy, example=example)
+        # fp32 adapters by default (peft's autocast_adapter_dtype); a 16-bit lora.dtype as
+        # the QLoRA paper's scripts (peft makes them fp32 beside a 4-bit base: cast here)
+        if lora.dtype == "float32":
+            return get_peft_model(model, cfg)
+        peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    dtype = torch_dtype(lora.dtype)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(dtype)
+    return peft_model
 
 
 def _apply_loss_chunks(model: nn.Module, chunks: int | str | None, notes: list[str]) -> Any:

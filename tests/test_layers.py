@@ -27,6 +27,7 @@ LEVELS: tuple[str, ...] = (
     "distributed",  # torchrun launch, FSDP2/DDP wrapping, DCP, selfcheck
     "train",        # the loop, data, resume state, plots, the torchrun job
     "cli",          # `tightfit …`
+    "__main__",     # `python -m tightfit`: the same command line
     "",             # tightfit/__init__.py: the public API
 )
 

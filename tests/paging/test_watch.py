@@ -8,7 +8,8 @@ from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.paging.probes import FakeProbe, RSSProbe
-from tightfit.paging.watch import PressureWatch, find_watch_blocks, resolve_target
+from tightfit.paging.target import resolve_target
+from tightfit.paging.watch import PressureWatch, find_watch_blocks
 
 from .trace import sample_everywhere
 

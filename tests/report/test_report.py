@@ -233,3 +233,71 @@ def test_moe_experts_count_under_base_weights_and_their_adapters_under_lora() ->
     assert t.without_bytes == 2 * 2 * base_numel
     # what stays as it was: embeddings, head, norms and the routers (fp32 on the CPU)
     assert report.meta["frozen_other_bytes"] == others and routers > 0
+
+
+def _report_of(**prepare_kw) -> tuple:
+    x = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": x, "labels": x}
+    kw = {"checkpoint": "every", "loss_chunks": 16, "lora": {"r": 4, "alpha": 8},
+          "device": "cpu", "example": batch}
+    kw.update(prepare_kw)
+    pm = tightfit.prepare(tiny(), **kw)
+    return measure_report(pm, batch), pm
+
+
+def test_the_report_names_what_ran_with_every_piece_on() -> None:
+    report, _ = _report_of()
+    assert [(p.name, p.with_, p.used) for p in report.pieces] == [
+        ("base weights", "NF4", True), ("quantization constants", "double quant", True),
+        ("trainable params + grads", "LoRA", True),
+        ("activations", "every checkpoint plan + chunked loss", True)]
+    assert report.meta["off"] == []
+
+
+def test_quant_none_shows_the_unquantized_weights_not_a_4bit_saving() -> None:
+    report, pm = _report_of(quant=None)
+    w, c = report.piece("base weights"), report.piece("quantization constants")
+    linears = [m for n, m in pm.named_modules() if isinstance(m, nn.Linear)
+               and not m.weight.requires_grad and not n.endswith("lm_head")]
+    assert w.with_ == "not quantized (float32)" and not w.used and w.ratio is None
+    assert w.with_bytes == sum(m.weight.nbytes for m in linears) > 0  # what the run holds
+    assert w.detail["params"] == sum(m.weight.numel() for m in linears)
+    assert c.with_ == "none (not quantized)" and c.with_bytes == 0 and not c.used
+    assert report.meta["off"] == ["base weights", "quantization constants"]
+    table = report.table()
+    assert "NF4" not in table and "double quant" not in table and "off" in table
+
+
+def test_fp4_is_labelled_fp4() -> None:
+    report, pm = _report_of(quant="fp4")
+    assert {m.weight.quant_state.quant_type for m in pm.modules()
+            if isinstance(m, bnb.nn.Linear4bit)} == {"fp4"}
+    assert report.piece("base weights").with_ == "FP4"
+    assert "NF4" not in report.table()
+
+
+def test_no_double_quant_shows_the_fp32_constants_it_holds_and_no_saving() -> None:
+    report, pm = _report_of(double_quant=False)
+    c = report.piece("quantization constants")
+    held = sum(m.weight.quant_state.absmax.nbytes for m in pm.modules()
+               if isinstance(m, bnb.nn.Linear4bit))
+    assert c.with_ == "fp32 absmax (no double quant)" and not c.used and c.saved_bytes == 0
+    assert c.with_bytes == c.without_bytes == held  # measured: the fp32 absmax it keeps
+    assert "bits_per_param_with" not in c.detail and c.detail["bits_per_param"] == 0.5
+    assert c.detail["lookup_table_bytes"] == 0  # no nested quantization, no tables
+    assert "double quant " not in report.table().replace("(no double quant)", "")
+
+
+@pytest.mark.parametrize(("kw", "label", "used"), [
+    ({"checkpoint": "none"}, "no checkpointing + chunked loss", True),
+    ({"loss_chunks": None}, "every checkpoint plan + unchunked loss", True),
+    ({"checkpoint": "none", "loss_chunks": None}, "no checkpointing, unchunked loss", False),
+])
+def test_activations_name_the_plan_and_loss_that_ran(kw, label, used) -> None:
+    report, _ = _report_of(**kw)
+    a = report.piece("activations")
+    assert a.with_ == label and a.used is used
+    if not used:  # nothing to take off: measured once, no saving claimed
+        assert a.with_bytes == a.without_bytes and a.ratio is None
+        assert "plan" not in a.with_ and "chunked loss" not in report.table().replace(
+            "unchunked loss", "")

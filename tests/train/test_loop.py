@@ -156,8 +156,13 @@ def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
     assert rc == 0
     report = json.loads((tmp_path / "plain" / "report.json").read_text())
     rows = {r["name"]: r for r in report["pieces"]}
-    assert rows["base weights"]["with_bytes"] == 0  # no 4-bit layers
+    # no 4-bit layers, no plan, no chunks: rows that say what ran, marked off, no saving
+    assert rows["base weights"]["with"] == "not quantized (float32)"
+    assert not rows["base weights"]["used"] and rows["base weights"]["saved_bytes"] == 0
+    assert rows["activations"]["with"] == "no checkpointing, unchunked loss"
     assert rows["activations"]["with_bytes"] == rows["activations"]["without_bytes"]
+    assert report["meta"]["off"] == ["base weights", "quantization constants",
+                                     "activations"]
     capsys.readouterr()
     rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "x"),
                "--seq-len", "4096"])
@@ -229,8 +234,7 @@ def test_resume_from_the_folder_alone_is_bit_exact(tmp_path, tiny_dir, monkeypat
         return real(self, step)
 
     monkeypatch.setattr(Batcher, "step", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        main([*base, "--out", str(tmp_path / "cut")])
+    assert main([*base, "--out", str(tmp_path / "cut")]) == 130  # Ctrl-C's exit code
     monkeypatch.setattr(Batcher, "step", real)
     assert resume.saved_step(resume.latest_state(tmp_path / "cut")) == 3
     assert main(["train", "--resume", str(tmp_path / "cut")]) == 0  # nothing else given

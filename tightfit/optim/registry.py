@@ -13,6 +13,9 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
+from tightfit.paging.occupancy import default_probe
+from tightfit.paging.probes import Probe
+from tightfit.paging.target import default_target
 
 OptimizerKind = Literal[
     "paged_adamw",
@@ -35,6 +38,9 @@ _PAGED: dict[str, type[torch.optim.Optimizer]] = {
     "paged_lion8bit": PagedLion8bit,
     "paged_sgd": PagedSGD,
 }
+# What --target takes: "auto" (on where it can act), a fraction of capacity, bytes, or None.
+Target = float | int | Literal["auto"] | None
+
 # Lion's published default (Chen et al. 2023, also bitsandbytes') differs from Adam's.
 _DEFAULT_BETAS = {"paged_lion": (0.9, 0.99), "paged_lion8bit": (0.9, 0.99)}
 
@@ -60,6 +66,14 @@ class OptimizerOptions:
     spill_dir: str | None = field(
         default=None, metadata={"help": "folder for the disk tier's spill file"}
     )
+    target: Target = field(
+        default="auto",
+        metadata={"help": "keep the device's total usage under this, evicting optimizer pages "
+                          "before activation spikes pass it: a fraction of capacity (0.9) or "
+                          "bytes (6GiB; on the CPU it reads RSS); auto: 0.9 of a CUDA device, "
+                          "or of the memory cgroup's limit on the CPU (off without one); none: "
+                          "off (see docs/pressure.md)"},
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in (*_PAGED, "adamw"):
@@ -72,6 +86,21 @@ class OptimizerOptions:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be a non-negative number of bytes, got {v}.")
+        check_target(self.target)
+
+
+def check_target(target: object) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``target`` is a value ``--target`` takes."""
+    if target is None or target == "auto":
+        return
+    if isinstance(target, bool) or not isinstance(target, int | float):
+        raise TypeError(f"target must be 'auto', a fraction (0.9), bytes (6GiB) or none, got "
+                        f"{target!r}.")
+    if isinstance(target, float) and not 0.0 < target <= 1.0:
+        raise ValueError(f"a fractional target must be in (0, 1], got {target}; pass bytes as "
+                         "an integer (e.g. 6GiB) or a fraction such as 0.9.")
+    if isinstance(target, int) and target <= 0:
+        raise ValueError(f"a target in bytes must be positive, got {target}; e.g. 6GiB.")
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -91,6 +120,9 @@ def optimizer_for(
     device_budget: int | None = None,
     host_budget: int | None = None,
     spill_dir: str | os.PathLike[str] | None = None,
+    target: Target = "auto",
+    probe: Probe | None = None,
+    watch: bool = True,
     **extra: Any,
 ) -> torch.optim.Optimizer:
     """Build the optimizer over ``model``'s trainable parameters.
@@ -104,19 +136,24 @@ def optimizer_for(
             for Lion.
         page_bytes, device_budget, host_budget, spill_dir: Paging options (bytes); ignored
             by ``"adamw"``.
+        target: The device usage to stay under (``docs/pressure.md``): ``"auto"`` (default)
+            is :func:`~tightfit.paging.target.default_target` — 0.9 of a CUDA device, 0.9 of
+            the memory cgroup's limit on the CPU, and off on a CPU without a limit; a float is
+            a fraction of capacity, an int bytes; ``None`` turns pressure handling off.
+            ``"adamw"`` has no pages to move: it takes only ``"auto"`` or ``None``.
+        probe: Reads the device's usage (default: CUDA's allocator, the CPU's RSS).
+        watch: With a target, hook ``model``'s blocks (:meth:`PagedOptimizer.watch`) so pages
+            leave before a spike passes it; the hooks fire under any loop that calls the
+            model, Hugging Face's ``Trainer`` included.
         **extra: Passed on to the optimizer class.
 
     Raises:
         ValueError: No trainable parameters, an unknown kind, bad budgets.
     """
     opts = OptimizerOptions(
-        kind=kind,
-        lr=lr,
-        weight_decay=weight_decay,
-        page_bytes=page_bytes,
-        device_budget=device_budget,
-        host_budget=host_budget,
-        spill_dir=None if spill_dir is None else str(spill_dir),
+        kind=kind, lr=lr, weight_decay=weight_decay, page_bytes=page_bytes,
+        device_budget=device_budget, host_budget=host_budget,
+        spill_dir=None if spill_dir is None else str(spill_dir), target=target,
     )
     params = trainable_parameters(model)
     if not params:
@@ -127,14 +164,17 @@ def optimizer_for(
     if betas is None:
         betas = _DEFAULT_BETAS.get(opts.kind, (0.9, 0.999))
     if opts.kind == "adamw":
+        if target not in ("auto", None) or probe is not None:
+            raise ValueError(
+                f"target={target!r} needs a paged optimizer (torch's AdamW has no pages to move "
+                "off the device); choose kind='paged_adamw' or pass target='auto' or None."
+            )
         return torch.optim.AdamW(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra
         )
     cls = _PAGED[opts.kind]
     paging: dict[str, Any] = {
-        "device_budget": device_budget,
-        "host_budget": host_budget,
-        "spill_dir": opts.spill_dir,
+        "device_budget": device_budget, "host_budget": host_budget, "spill_dir": opts.spill_dir,
     }
     if page_bytes is not None:
         paging["page_bytes"] = page_bytes
@@ -143,4 +183,21 @@ def optimizer_for(
         hyper["betas"] = betas
     if opts.kind.startswith("paged_adam"):
         hyper["eps"] = eps
-    return cls(params, **hyper, **paging, **extra)
+    paging["target"], paging["probe"] = _pressure(target, probe, params[0].device)
+    opt = cls(params, **hyper, **paging, **extra)
+    if watch and paging["target"] is not None:
+        opt.watch(model)
+    return opt
+
+
+def _pressure(
+    target: Target, probe: Probe | None, device: torch.device
+) -> tuple[float | int | None, Probe | None]:
+    """``(target, probe)`` for the optimizer: ``"auto"`` resolved for ``device``."""
+    if target != "auto":
+        return target, probe if target is not None else None
+    if device.type not in ("cuda", "cpu"):
+        return None, None  # meta params (no memory yet), or a device without a built-in probe
+    probe = probe if probe is not None else default_probe(device)
+    auto = default_target(probe)
+    return auto, probe if auto is not None else None

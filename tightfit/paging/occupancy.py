@@ -15,6 +15,7 @@ step), so the benefit of an eviction is the bytes it frees: whole pages, fewest 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import sys
@@ -27,11 +28,14 @@ from torch import nn
 
 from tightfit.paging.probes import CudaProbe, Probe, RSSProbe
 from tightfit.paging.store import PageStore
-from tightfit.paging.watch import PressureWatch, resolve_target
+from tightfit.paging.target import resolve_target
+from tightfit.paging.watch import PressureWatch
 
 __all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "recover_from_oom"]
 
 MiB = 2**20
+#: Steps whose room the restore hysteresis remembers (their median is what comes back).
+RECENT_STEPS = 8
 
 
 def default_probe(device: torch.device) -> Probe:
@@ -70,7 +74,7 @@ class OccupancyControl:
             model pages also leave the watch's margin free for the next forward.
 
     Raises:
-        ValueError/TypeError: see :func:`~tightfit.paging.watch.resolve_target`; a negative
+        ValueError/TypeError: see :func:`~tightfit.paging.target.resolve_target`; a negative
             ``restore_margin_bytes``.
     """
 
@@ -96,6 +100,11 @@ class OccupancyControl:
         self.restore_margin_bytes = restore_margin_bytes
         self.counts = OccupancyCounts()
         self.watches: list[PressureWatch] = []
+        # the state each recent step could have held without its watch evicting (from
+        # PressureWatch.end_step); restores stop at their median: hysteresis against an
+        # evict-in-backward, restore-before-update ping-pong on every ordinary step, while a
+        # rare spike (an outlier) does not keep the pages out after it
+        self._holds: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
 
     # -- moves -------------------------------------------------------------------------
     def relieve(self, need_bytes: int, reason: str) -> int:
@@ -143,6 +152,9 @@ class OccupancyControl:
 
     def _before_step(self, grad_bytes: int) -> None:
         store = self.store
+        self._learn_holds()
+        if self._lowered():
+            _return_to_os(store)  # the spike's freed activations: out of RSS before reading it
         used = self.probe.used_bytes()
         if not store.materialized:
             # first step: place only what fits under the target (no moves yet, so no events)
@@ -154,13 +166,25 @@ class OccupancyControl:
             self.counts.over_target_reads += 1
             self._relieve(used - self.target_bytes, self._why("over target before step", used))
             return
-        budget = store.device_budget
-        limit = store.device_limit
-        if limit is None or (budget is not None and limit >= budget):
-            return  # nothing was evicted by pressure
-        room = self.target_bytes - used - self._restore_margin()
-        watch_margin = max((w.margin_bytes for w in self.watches if w.active), default=0)
-        room = min(room, self.target_bytes - watch_margin - (used - grad_bytes))
+        if self._lowered():
+            self._restore(used, grad_bytes)
+
+    def _lowered(self) -> bool:
+        """Whether pressure holds the device below its budget (pages evicted, not yet back)."""
+        limit, budget = self.store.device_limit, self.store.device_budget
+        return limit is not None and (budget is None or limit < budget)
+
+    def _restore(self, used: int, grad_bytes: int) -> None:
+        """Bring pages back as far as they fit now and a step like the recent ones holds."""
+        store = self.store
+        limit, budget = store.device_limit, store.device_budget
+        room = self.target_bytes - used - self._restore_margin()  # the update's own room
+        if self._holds:  # what the recent steps could hold (their median)
+            held = sorted(self._holds)[len(self._holds) // 2]
+            room = min(room, held - store.device_bytes - store.page_bytes)
+        else:  # nothing learned yet: keep the watch's margin free once the grads are freed
+            watch_margin = max((w.margin_bytes for w in self.watches if w.active), default=0)
+            room = min(room, self.target_bytes - watch_margin - (used - grad_bytes))
         if room < store.page_bytes:
             return
         added, why = 0, self._why("headroom", used)
@@ -180,10 +204,29 @@ class OccupancyControl:
             self.counts.restores += 1
             self.counts.restored_bytes += added
 
+    def _learn_holds(self) -> None:
+        """Fold in the step that just ran its backward (see ``_holds``)."""
+        for w in self.watches:
+            if not w.active:
+                continue
+            room, freed, _ = w.end_step()
+            if room is not None:  # the state it began with, plus the room left above that
+                self._holds.append(self.store.device_bytes + freed + room)
+            # growth is measured within a step: what the update and a restore add between
+            # two steps is not an activation spike (it would inflate the margin)
+            w.reset()
+
     def after_step(self) -> None:
-        """Drop the spill file's pages from this process's RSS after the sweep streamed them."""
+        """Drop the spill file's pages from this process's RSS after the sweep streamed them.
+
+        Counted as time on pressure when pressure (not the budget) kept them off the device:
+        writing the streamed pages back is what the eviction costs at the update.
+        """
         if self.store.on_cpu and self.store.materialized and self.store.disk_bytes():
+            t0 = time.perf_counter()
             self.store.spill.release()
+            if self._lowered():
+                self.counts.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Remove the hooks of every watch."""

@@ -33,59 +33,10 @@ from torch.utils._pytree import tree_leaves
 from tightfit.checkpoint.blocks import find_blocks
 from tightfit.paging.probes import Probe
 
-__all__ = ["PressureWatch", "WatchStats", "find_watch_blocks", "resolve_target"]
-
-#: Default target on CUDA, as a fraction of the device's capacity.
-DEFAULT_CUDA_TARGET = 0.9
+__all__ = ["PressureWatch", "WatchStats", "find_watch_blocks"]
 
 #: ``on_pressure(need_bytes, reason) -> freed_bytes``.
 PressureCallback = Callable[[int, str], int]
-
-
-def resolve_target(target: float | int | None, probe: Probe) -> int:
-    """Turn a ``target`` option into bytes.
-
-    Args:
-        target: A float in (0, 1] is a fraction of the probe's capacity; an int is bytes;
-            ``None`` is 0.9 of the capacity on CUDA and an error elsewhere (on the CPU
-            "capacity" is what the user says it is).
-        probe: The probe whose capacity a fraction refers to.
-
-    Returns:
-        The target in bytes.
-
-    Raises:
-        TypeError: ``target`` is not a float, int or None.
-        ValueError: the fraction is outside (0, 1], the bytes are not positive, or a fraction
-            (or the default) was asked for and the probe's capacity is unknown.
-    """
-    if isinstance(target, bool) or not (target is None or isinstance(target, int | float)):
-        raise TypeError(
-            f"target must be a fraction of capacity (float in (0, 1]) or bytes (int), got "
-            f"{target!r}; e.g. target=0.9 or target=6 * 2**30."
-        )
-    capacity = probe.capacity_bytes()
-    if target is None:
-        if probe.device.type != "cuda":
-            raise ValueError(
-                f"a target is required on {probe.device.type!r}: pass target=<bytes> (an int), "
-                "e.g. target=8 * 2**30, or a probe with a known capacity and a fraction."
-            )
-        target = DEFAULT_CUDA_TARGET
-    if isinstance(target, float):
-        if not 0.0 < target <= 1.0:
-            raise ValueError(
-                f"a fractional target must be in (0, 1], got {target}; pass bytes as an int."
-            )
-        if capacity is None:
-            raise ValueError(
-                f"target={target} is a fraction of capacity, but {probe!r} does not know its "
-                "capacity; pass target=<bytes> (an int) or give the probe a capacity."
-            )
-        return int(target * capacity)
-    if target <= 0:
-        raise ValueError(f"target in bytes must be positive, got {target}.")
-    return int(target)
 
 
 def find_watch_blocks(model: nn.Module) -> list[nn.Module]:
@@ -186,6 +137,18 @@ class PressureWatch:
         self.stats = WatchStats()
         self._last_read_t = -float("inf")
         self._last_used: int | None = None
+        # since end_step(): the least room a reading left above its margin, less what the
+        # step had freed before it (so: relative to the state resident when the step began),
+        # and the bytes freed; the pager learns from it how much state a step like it holds
+        self._step_slack: int | None = None
+        self._step_freed = 0
+        # Growth is learned per interval (named by the check that starts it) and per size of
+        # step (tokens, from a watched block's [..., T, hidden] input): the interval that
+        # allocates the head's gradient needs its headroom, the others do not, and a long
+        # batch's growth does not make every short step keep its headroom.
+        self._tokens = 0  # this step's (since end_step), 0 when the inputs do not say
+        self._growth: dict[str, dict[int, int]] = {}  # reason -> {token bucket: growth}
+        self._last_reason: str | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         names = {id(m): n for n, m in model.named_modules()}
         for block in find_watch_blocks(model) if blocks is None else blocks:
@@ -196,10 +159,55 @@ class PressureWatch:
     # -- policy ------------------------------------------------------------------------
     @property
     def margin_bytes(self) -> int:
-        """Headroom kept under the target at each check (fixed, or adapted to growth seen)."""
+        """The step-wide margin: fixed, or the larger of 1/16 of the target and twice the
+        largest growth seen between two readings. Checks keep it for an interval they know
+        nothing of yet (:meth:`margin_at`)."""
         if self.fixed_margin is not None:
             return self.fixed_margin
         return max(self.target_bytes // 16, 2 * self.stats.max_growth_bytes)
+
+    def margin_for(self, tokens: int) -> int:
+        """The largest margin any check of a step of ``tokens`` tokens (0: unknown) keeps.
+
+        Fixed when ``margin_bytes`` was given; else the larger of 1/16 of the target and twice
+        the largest growth forecast for an interval of such a step (:meth:`margin_at`), or
+        twice the largest growth seen while nothing is known of that size.
+        """
+        if self.fixed_margin is not None:
+            return self.fixed_margin
+        forecasts = [self._forecast(r, tokens) for r in self._growth] if tokens else []
+        grows = [_cushion(g, exact) for g, exact in filter(None, forecasts)]
+        grow = max(grows) if grows else 2 * self.stats.max_growth_bytes
+        return max(self.target_bytes // 16, grow)
+
+    def margin_at(self, reason: str) -> int:
+        """Headroom a check of ``reason`` keeps for the step in progress: the growth forecast
+        until the next check (:meth:`_forecast`) with a cushion (a quarter for a size seen
+        before, as much again for one extrapolated), at least 1/16 of the target; for an
+        interval never read, the largest of any interval (:meth:`margin_for`)."""
+        if self.fixed_margin is not None:
+            return self.fixed_margin
+        f = self._forecast(reason, self._tokens) if self._tokens else None
+        if f is None:  # an interval not read yet (the rate limit skips some)
+            return self.margin_for(self._tokens)
+        return max(self.target_bytes // 16, _cushion(*f))
+
+    def _forecast(self, reason: str, tokens: int) -> tuple[int, bool] | None:
+        """``(growth, seen at this size)`` expected in the interval after ``reason`` for a
+        step of ``tokens`` tokens: the largest seen at that size (power-of-two bucket), else
+        the nearest smaller size scaled up by tokens, else the nearest larger size as seen
+        (never scaled down)."""
+        seen = self._growth.get(reason)
+        if not seen or not tokens:
+            return None
+        b = _bucket(tokens)
+        if b in seen:
+            return seen[b], True
+        lower = [k for k in seen if k < b]
+        if lower:
+            k = max(lower)
+            return int(seen[k] * tokens / k), False
+        return seen[min(seen)], False
 
     def check(self, reason: str, *, force: bool = False) -> int:
         """Read the probe (unless rate-limited) and call back if headroom is short.
@@ -214,7 +222,7 @@ class PressureWatch:
         t0 = time.perf_counter()
         st = self.stats
         st.hook_calls += 1
-        margin = self.margin_bytes
+        margin = self.margin_at(reason)
         plenty = self._last_used is None or (
             self.target_bytes - self._last_used > 2 * margin
         )
@@ -226,17 +234,27 @@ class PressureWatch:
         # growth since the last reading, including a transient peak in between when the probe
         # has a high-water mark that saw one (a block's temporaries freed before this hook)
         high = max(used, self.probe.interval_peak_bytes() or 0)
-        if self._last_used is not None and high - self._last_used > st.max_growth_bytes:
-            st.max_growth_bytes = high - self._last_used
-            margin = self.margin_bytes
+        if self._last_used is not None and high > self._last_used:
+            growth = high - self._last_used
+            st.max_growth_bytes = max(st.max_growth_bytes, growth)
+            if self._tokens and self._last_reason is not None:
+                seen = self._growth.setdefault(self._last_reason, {})
+                b = _bucket(self._tokens)
+                seen[b] = max(seen.get(b, 0), growth)
+            margin = self.margin_at(reason)
         freed = 0
-        need = used - (self.target_bytes - margin)
+        room = self.target_bytes - margin - used
+        rel = room - self._step_freed
+        self._step_slack = rel if self._step_slack is None else min(self._step_slack, rel)
+        need = -room
         if need > 0:
             st.triggers += 1
             freed = int(self.on_pressure(int(need), reason))
             st.freed_bytes += freed
+            self._step_freed += freed
             used -= freed
         self._last_used = used
+        self._last_reason = reason
         self._last_read_t = time.perf_counter()
         st.time_s += self._last_read_t - t0
         return freed
@@ -244,13 +262,30 @@ class PressureWatch:
     def reset(self) -> None:
         """Forget the last reading (call between steps so growth is measured within one)."""
         self._last_used = None
+        self._last_reason = None
         self._last_read_t = -float("inf")
+
+    def end_step(self) -> tuple[int | None, int, int]:
+        """``(room, bytes freed, tokens)`` of the step since the previous call; starts
+        counting again. The room is the smallest ``target - margin - reading`` of its checks,
+        each less the bytes freed before it (``None`` without a reading): how many more bytes
+        of state than it began with a step like it could have held without evicting.
+
+        The pager calls it between backward and the update.
+        """
+        out = (self._step_slack, self._step_freed, self._tokens)
+        self._step_slack, self._step_freed, self._tokens = None, 0, 0
+        return out
 
     # -- hooks -------------------------------------------------------------------------
     def _forward_pre(self, name: str) -> Callable[..., None]:
         reason = f"forward:{name}"
 
-        def hook(module: nn.Module, args: object) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.dim() >= 2:
+                # [batch, T, hidden] or [T, hidden]: the tokens this step runs through
+                self._tokens = max(self._tokens, x.numel() // x.shape[-1])
             self.check(reason)
 
         return hook
@@ -292,3 +327,13 @@ class PressureWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _cushion(growth: int, seen: bool) -> int:
+    """The margin for a forecast growth: +25 % when that size was seen, x2 when guessed."""
+    return growth + growth // 4 if seen else 2 * growth
+
+
+def _bucket(tokens: int) -> int:
+    """The power of two at or above ``tokens``: steps of similar size share what is learned."""
+    return 1 << max(int(tokens) - 1, 0).bit_length()

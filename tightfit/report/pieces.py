@@ -38,6 +38,7 @@ class WeightBytes:
     packed_bytes: int
     bf16_bytes: int
     expert_numel: int = 0
+    quant_types: tuple[str, ...] = ()  # bitsandbytes' names, e.g. ("nf4",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class ConstantBytes:
     single_bytes: int
     double_bytes: int
     code_bytes: int
+    stored_bytes: int = 0  # what the model holds: double_bytes where nested, single elsewhere
+    nested: int = 0  # weights whose constants are double-quantized
+    weights: int = 0  # 4-bit weights in all
 
     @property
     def single_bits_per_param(self) -> float:
@@ -76,12 +80,28 @@ def _four_bit(model: nn.Module) -> Iterator[tuple[int, bnbF.QuantState, bool]]:
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Count the 4-bit weights (linear layers and MoE experts): parameters and bytes."""
     numel = packed = experts = 0
+    kinds: set[str] = set()
     for nbytes, qs, is_expert in _four_bit(model):
         n = int(torch.Size(qs.shape).numel())
         numel += n
         experts += n if is_expert else 0
         packed += nbytes
-    return WeightBytes(numel, packed, numel * BF16_BYTES, experts)
+        kinds.add(str(qs.quant_type))
+    return WeightBytes(numel, packed, numel * BF16_BYTES, experts, tuple(sorted(kinds)))
+
+
+def plain_linear_weights(model: nn.Module) -> tuple[int, int, str]:
+    """``(params, bytes, dtype)`` of the frozen base linear weights that are not quantized.
+
+    What ``--quant none`` leaves where the 4-bit weights would be: every frozen ``nn.Linear``
+    (peft's base layers included) but the output head and the trainable adapters.
+    """
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, nn.Linear) and m is not head and not m.weight.requires_grad]
+    dtypes = sorted({str(w.dtype).removeprefix("torch.") for w in weights})
+    return (sum(w.numel() for w in weights), sum(w.nbytes for w in weights),
+            "/".join(dtypes) or "none")
 
 
 def constant_bytes(model: nn.Module) -> ConstantBytes:
@@ -92,10 +112,12 @@ def constant_bytes(model: nn.Module) -> ConstantBytes:
     built with bitsandbytes' own ``quantize_blockwise`` (blocks of 256, as ``Params4bit``
     does) and counted. Either way both columns come from real tensors.
     """
-    numel = single = double = code = 0
+    numel = single = double = code = stored = nested = weights = 0
     seen_codes: set[int] = set()
     for _, qs, _ in _four_bit(model):
         numel += int(torch.Size(qs.shape).numel())
+        weights += 1
+        nested += int(bool(qs.nested))
         if qs.nested:
             fp32_absmax = bnbF.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
             nested_absmax, state2, offset = qs.absmax, qs.state2, qs.offset
@@ -103,13 +125,16 @@ def constant_bytes(model: nn.Module) -> ConstantBytes:
             fp32_absmax = qs.absmax
             offset = fp32_absmax.mean()
             nested_absmax, state2 = bnbF.quantize_blockwise(fp32_absmax - offset, blocksize=256)
-        single += fp32_absmax.nbytes
-        double += nested_absmax.nbytes + state2.absmax.nbytes + torch.as_tensor(offset).nbytes
+        one_single = fp32_absmax.nbytes
+        one_double = nested_absmax.nbytes + state2.absmax.nbytes + torch.as_tensor(offset).nbytes
+        single += one_single
+        double += one_double
+        stored += one_double if qs.nested else one_single
         ptr = state2.code.data_ptr()
-        if ptr not in seen_codes:  # shared tables (one per layer or expert stack) count once
-            seen_codes.add(ptr)
+        if qs.nested and ptr not in seen_codes:  # shared tables (one per layer or expert
+            seen_codes.add(ptr)  # stack) count once; without DQ there are none to hold
             code += state2.code.nbytes
-    return ConstantBytes(numel, single, double, code)
+    return ConstantBytes(numel, single, double, code, stored, nested, weights)
 
 
 def lora_parameter_bytes(model: nn.Module) -> tuple[int, int]:
@@ -123,14 +148,19 @@ def grad_bytes(model: nn.Module) -> int:
     return sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
 
 
-def frozen_other_bytes(model: nn.Module) -> int:
-    """Bytes of frozen parameters that are not 4-bit weights (embeddings, norms, head, MoE
-    routers)."""
+def frozen_other_bytes(model: nn.Module, *, plain_linears: bool = False) -> int:
+    """Bytes of frozen parameters that are not base weights (embeddings, norms, head, MoE
+    routers): not 4-bit weights, nor (``plain_linears``, for an unquantized base) the frozen
+    linear weights :func:`plain_linear_weights` counts."""
     packed = {
         id(getattr(m, name))
         for m in model.modules() if is_4bit_experts(m)
         for name in expert_specs(m)
     }
+    if plain_linears:
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        packed |= {id(m.weight) for m in model.modules()
+                   if isinstance(m, nn.Linear) and m is not head and not m.weight.requires_grad}
     return sum(
         p.nbytes
         for p in model.parameters()

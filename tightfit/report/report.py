@@ -3,7 +3,10 @@
 One row per piece, as in the design's table "piece -> memory pain it targets", each with the
 bytes *without* the piece (full fine-tuning in bf16, fp32 absmax, no checkpointing, ...) and
 *with* it, counted from the prepared model's real tensors and measured on the real batch
-(see :mod:`tightfit.report.pieces`). Rendered as a text table, JSON, Markdown and a PNG bars.
+(see :mod:`tightfit.report.pieces`). A piece that did not run (``--quant none``,
+``--no-double-quant``, ``--checkpoint none --loss-chunks none``) is a row that says what ran
+instead, marked off, with no saving. Rendered as a text table, JSON, Markdown and PNG bars
+(:mod:`tightfit.report.document`).
 
 Example::
 
@@ -14,170 +17,18 @@ Example::
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tightfit.report import pieces
+from tightfit.report.document import MemoryReport, Piece
+
+__all__ = ["MemoryReport", "Piece", "measure_report", "optimizer_state_bytes"]
 
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One row of the report.
-
-    Attributes:
-        name: The piece ("base weights", "quantization constants", ...).
-        pain: The memory pain it targets.
-        without: What the bytes would be without the piece (label, e.g. "bf16").
-        without_bytes: Bytes without the piece.
-        with_: What the piece turns it into (label, e.g. "NF4").
-        with_bytes: Bytes with the piece, measured.
-        detail: Extra measured figures (bits per parameter, per-tier bytes, ...).
-    """
-
-    name: str
-    pain: str
-    without: str
-    without_bytes: int
-    with_: str
-    with_bytes: int
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def saved_bytes(self) -> int:
-        return self.without_bytes - self.with_bytes
-
-    @property
-    def ratio(self) -> float:
-        return self.with_bytes / self.without_bytes if self.without_bytes else 1.0
-
-
-@dataclass
-class MemoryReport:
-    """The measured per-piece report, plus what it was measured on."""
-
-    pieces: list[Piece]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def piece(self, name: str) -> Piece:
-        """The row called ``name``."""
-        for p in self.pieces:
-            if p.name == name:
-                return p
-        raise KeyError(f"no piece {name!r}; pieces are {[p.name for p in self.pieces]}")
-
-    # -- rendering -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        rows = []
-        for p in self.pieces:
-            d = asdict(p)
-            d["with"] = d.pop("with_")
-            d["saved_bytes"] = p.saved_bytes
-            rows.append(d)
-        return {"meta": self.meta, "pieces": rows}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, default=str)
-
-    def _rows(self) -> list[list[str]]:
-        out = []
-        for p in self.pieces:
-            out.append([
-                p.name, p.pain,
-                f"{p.without} {p.without_bytes / MiB:.2f} MiB",
-                f"{p.with_} {p.with_bytes / MiB:.2f} MiB",
-                f"{p.ratio:.3f}",
-            ])
-        return out
-
-    _HEAD = ["piece", "memory pain it targets", "without", "with (measured)", "with/without"]
-
-    def table(self) -> str:
-        """A plain-text table for the terminal."""
-        rows = [self._HEAD, *self._rows()]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(self._HEAD))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines += self._detail_lines()
-        return "\n".join(lines)
-
-    def _detail_lines(self) -> list[str]:
-        lines = []
-        for p in self.pieces:
-            if p.detail:
-                shown = ", ".join(f"{k}={_fmt(v)}" for k, v in p.detail.items())
-                lines.append(f"  {p.name}: {shown}")
-        return lines
-
-    def to_markdown(self) -> str:
-        """The report as a Markdown document."""
-        lines = ["# tightfit memory report", ""]
-        if self.meta:
-            lines += [f"- {k}: {_fmt(v)}" for k, v in self.meta.items()] + [""]
-        lines.append("| " + " | ".join(self._HEAD) + " |")
-        lines.append("|" + "---|" * len(self._HEAD))
-        lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
-        lines += ["", "Details (measured):", ""]
-        lines += [f"- {line.strip()}" for line in self._detail_lines()]
-        return "\n".join(lines) + "\n"
-
-    def plot(self, path: str | os.PathLike[str]) -> Path:
-        """Bar chart (MiB, without vs with per piece) saved as PNG."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        names = [p.name for p in self.pieces]
-        x = range(len(names))
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        ax.bar([i - 0.2 for i in x], [p.without_bytes / MiB for p in self.pieces], 0.4,
-               label="without the piece", color="#bbbbbb")
-        ax.bar([i + 0.2 for i in x], [p.with_bytes / MiB for p in self.pieces], 0.4,
-               label="with (measured)", color="#2b7bba")
-        ax.set_xticks(list(x), names, rotation=20, ha="right")
-        ax.set_ylabel("MiB")
-        ax.set_yscale("log")
-        for i, p in enumerate(self.pieces):
-            ax.annotate(f"{p.ratio:.2f}x", (i + 0.2, max(p.with_bytes / MiB, 1e-6)),
-                        ha="center", va="bottom", fontsize=8)
-        ax.set_title("tightfit: memory per piece, without vs with")
-        ax.legend()
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        return out
-
-    def save(self, folder: str | os.PathLike[str]) -> dict[str, Path]:
-        """Write ``report.json``, ``report.md`` and ``memory_report.png`` into ``folder``."""
-        d = Path(folder)
-        d.mkdir(parents=True, exist_ok=True)
-        paths = {"json": d / "report.json", "md": d / "report.md", "png": d / "memory_report.png"}
-        _atomic_write(paths["json"], self.to_json())
-        _atomic_write(paths["md"], self.to_markdown())
-        self.plot(paths["png"])
-        return paths
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -218,6 +69,7 @@ def measure_report(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     base_numel: int | None = None,
+    without_activation_bytes: int | None = None,
 ) -> MemoryReport:
     """Measure every piece on a prepared model and a real batch.
 
@@ -225,8 +77,12 @@ def measure_report(
         model: A model from :func:`tightfit.prepare`.
         batch: A training batch (``input_ids``, ``labels``) on the model's device.
         optimizer: The optimizer in use (its state after at least one step is what is
-            counted; before any step a paged optimizer may hold nothing yet).
+            counted; before any step a paged optimizer may hold nothing yet). Its figures are
+            read first, before the activation passes.
         base_numel: Parameters of the unprepared model (default: from ``model.tightfit_info``).
+        without_activation_bytes: Shown for the activations without the checkpoint plan and
+            the chunked loss instead of measuring that step (a prediction, for when running
+            the batch without them could exhaust the memory); the row says so.
 
     Returns:
         The report. The model's gradients are cleared; its RNG stream is untouched.
@@ -235,59 +91,114 @@ def measure_report(
     if base_numel is None:
         base_numel = info.base_numel if info is not None else sum(
             p.numel() for p in model.parameters())
-    w = pieces.weight_bytes(model)
-    c = pieces.constant_bytes(model)
+    tiers = optimizer_state_bytes(optimizer) if optimizer is not None else None
+    quantized = pieces.weight_bytes(model).numel > 0
+    lora = _has_lora(model, info)
+    rows = [_weights_row(model), _constants_row(model)]
+    activations, grads = _activations_row(model, batch, info, without_activation_bytes)
     lora_numel, lora_bytes = pieces.lora_parameter_bytes(model)
-
-    # Activations: the real batch, the plan + chunked loss on, then both off.
-    with_peak, grads = pieces.step_activation_peak(model, batch)
-    with pieces.memory_pieces_off(model):
-        without_peak, _ = pieces.step_activation_peak(model, batch)
-
-    rows = [
-        Piece("base weights", "base weight storage", "bf16", w.bf16_bytes, "NF4", w.packed_bytes,
-              {"params": w.numel, "expert_params": w.expert_numel,
-               "bits_per_param": 8 * w.packed_bytes / max(w.numel, 1)}),
-        Piece("quantization constants", "the quantization constants", "fp32 absmax",
-              c.single_bytes, "double quant", c.double_bytes,
-              {"bits_per_param_without": c.single_bits_per_param,
-               "bits_per_param_with": c.double_bits_per_param,
-               "lookup_table_bytes": c.code_bytes}),
-        Piece("trainable params + grads", "trainable parameters, grads", "full (bf16)",
-              2 * base_numel * pieces.BF16_BYTES, "LoRA", lora_bytes + grads,
-              {"trainable_params": lora_numel, "param_bytes": lora_bytes, "grad_bytes": grads,
-               "full_params": base_numel}),
-        Piece("activations", "activation memory", "no checkpointing", without_peak,
-              "plan + chunked loss", with_peak, _plan_detail(info)),
-    ]
-    if optimizer is not None:
-        tiers = optimizer_state_bytes(optimizer)
-        rows.append(Piece(
-            "optimizer state", "optimizer-state spikes (OOM mid-run)",
-            "full AdamW (fp32)", base_numel * 2 * pieces.FP32_BYTES,
-            f"{type(optimizer).__name__} (LoRA)", tiers.pop("state"), tiers,
-        ))
+    rows.append(Piece(
+        "trainable params + grads", "trainable parameters, grads", "full (bf16)",
+        2 * base_numel * pieces.BF16_BYTES, "LoRA" if lora else "no LoRA (fp params)",
+        lora_bytes + grads,
+        {"trainable_params": lora_numel, "param_bytes": lora_bytes, "grad_bytes": grads,
+         "full_params": base_numel}, used=lora))
+    rows.append(activations)
+    if tiers is not None:
+        name = type(optimizer).__name__ + (" (LoRA)" if lora else "")
+        rows.append(Piece("optimizer state", "optimizer-state spikes (OOM mid-run)",
+                          "full AdamW (fp32)", base_numel * 2 * pieces.FP32_BYTES, name,
+                          tiers.pop("state"), tiers))
     meta = {
         "model": type(_base(model)).__name__,
         "device": str(next(model.parameters()).device),
         "batch": "x".join(str(s) for s in batch["input_ids"].shape),
         "base_params": base_numel,
-        "frozen_other_bytes": pieces.frozen_other_bytes(model),
+        "frozen_other_bytes": pieces.frozen_other_bytes(model, plain_linears=not quantized),
         "without": "full fine-tuning in bf16, fp32 absmax, no checkpointing, unchunked loss",
+        "off": [p.name for p in rows if not p.used],
     }
     return MemoryReport(rows, meta)
+
+
+def _weights_row(model: nn.Module) -> Piece:
+    """The 4-bit base weights as bitsandbytes stores them (NF4 or FP4), or the unquantized
+    linear weights when nothing is in 4 bits."""
+    pain = "base weight storage"
+    w = pieces.weight_bytes(model)
+    if w.numel:
+        return Piece("base weights", pain, "bf16", w.bf16_bytes,
+                     "/".join(k.upper() for k in w.quant_types), w.packed_bytes,
+                     {"params": w.numel, "expert_params": w.expert_numel,
+                      "bits_per_param": 8 * w.packed_bytes / max(w.numel, 1)})
+    numel, nbytes, dtype = pieces.plain_linear_weights(model)
+    return Piece("base weights", pain, "bf16", numel * pieces.BF16_BYTES,
+                 f"not quantized ({dtype})", nbytes, {"params": numel}, used=False)
+
+
+def _constants_row(model: nn.Module) -> Piece:
+    """The absmax constants as the model holds them: double-quantized, or fp32 when double
+    quantization is off (then no saving is shown), or none at all without 4-bit weights."""
+    name, pain = "quantization constants", "the quantization constants"
+    c = pieces.constant_bytes(model)
+    if not c.weights:
+        return Piece(name, pain, "fp32 absmax", 0, "none (not quantized)", 0, used=False)
+    if c.nested == c.weights:
+        return Piece(name, pain, "fp32 absmax", c.single_bytes, "double quant", c.double_bytes,
+                     {"bits_per_param_without": c.single_bits_per_param,
+                      "bits_per_param_with": c.double_bits_per_param,
+                      "lookup_table_bytes": c.code_bytes})
+    label = ("fp32 absmax (no double quant)" if not c.nested else
+             f"double quant on {c.nested} of {c.weights} weights")
+    return Piece(name, pain, "fp32 absmax", c.single_bytes, label, c.stored_bytes,
+                 {"bits_per_param": 8 * c.stored_bytes / max(c.numel, 1),
+                  "lookup_table_bytes": c.code_bytes}, used=bool(c.nested))
+
+
+def _activations_row(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], info: Any, without_peak: int | None
+) -> tuple[Piece, int]:
+    """The activation peak of one step as it ran, beside the same step without a checkpoint
+    plan and without the chunked loss (measured once when neither was on; ``without_peak``
+    given: that prediction instead); the grad bytes."""
+    plan = getattr(info, "plan", None)
+    chunked = _chunked(model)
+    with_peak, grads = pieces.step_activation_peak(model, batch)
+    if plan is None and not chunked:
+        return Piece("activations", "activation memory", "no checkpointing", with_peak,
+                     "no checkpointing, unchunked loss", with_peak, {}, used=False), grads
+    without = "no checkpointing"
+    if without_peak is None:
+        with pieces.memory_pieces_off(model):
+            without_peak, _ = pieces.step_activation_peak(model, batch)
+    else:
+        without = "no checkpointing (predicted, not run: it would pass the memory target)"
+    ran = [f"{plan.policy} checkpoint plan" if plan is not None else "no checkpointing",
+           "chunked loss" if chunked else "unchunked loss"]
+    detail: dict[str, Any] = {"policy": plan.policy if plan is not None else "none",
+                              "loss_chunks": getattr(info, "loss_chunks", None) if chunked
+                              else "none"}
+    if plan is not None and getattr(plan, "predicted_peak_bytes", None) is not None:
+        detail["plan_predicted_peak_bytes"] = int(plan.predicted_peak_bytes)
+    return Piece("activations", "activation memory", without, without_peak,
+                 " + ".join(ran), with_peak, detail), grads
+
+
+def _chunked(model: nn.Module) -> bool:
+    from tightfit.loss import is_chunked_loss_enabled
+
+    try:
+        return is_chunked_loss_enabled(model)
+    except TypeError:  # not an HF causal LM: no chunked loss on it
+        return False
+
+
+def _has_lora(model: nn.Module, info: Any) -> bool:
+    if info is not None:
+        return info.lora is not None
+    return callable(getattr(model, "get_base_model", None))  # a peft model
 
 
 def _base(model: nn.Module) -> nn.Module:
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
-
-
-def _plan_detail(info: Any) -> dict[str, Any]:
-    if info is None:
-        return {}
-    d: dict[str, Any] = {"policy": info.options.checkpoint, "loss_chunks": info.loss_chunks}
-    plan = info.plan
-    if plan is not None and getattr(plan, "predicted_peak_bytes", None) is not None:
-        d["predicted_peak_bytes"] = int(plan.predicted_peak_bytes)
-    return d

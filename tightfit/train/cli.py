@@ -12,20 +12,27 @@ them too. --resume DIR continues a run with its saved options.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import time
 import types
 import typing
 from dataclasses import fields
 from typing import Any, Literal
 
+from tightfit.measure.dtypes import SHORT_NAMES
 from tightfit.measure.sizes import parse_bytes
 from tightfit.train.options import RunConfig, flag_dest, flag_name
 
 _TITLES = {"train": "run", "data": "data", "prepare": "quantization, checkpointing, loss",
            "lora": "LoRA", "optimizer": "optimizer"}
-_BYTE_FIELDS = {"checkpoint_budget", "page_bytes", "device_budget", "host_budget",
+_BYTE_FIELDS = {"checkpoint_budget", "page_bytes", "device_budget", "host_budget", "target",
                 "max_text_bytes"}
+# What argparse takes for a value rather than a flag when it starts with "-": its own rule
+# knows only plain negative numbers, so "--device-budget -1GiB" or "--lr -1e-3" would say
+# "expected one argument" instead of what is wrong with the value.
+_NEGATIVE_VALUE = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\s*[A-Za-z]*$")
 
 
 def _alternatives(hint: Any) -> list[Any]:
@@ -49,16 +56,30 @@ def _converter(name: str, hint: Any) -> tuple[Any, list[str] | None]:
         for lit in literals:
             if text == str(lit):
                 return lit
+        if SHORT_NAMES.get(text) in literals:
+            return SHORT_NAMES[text]  # "bf16" for a dtype option: the one dtype table's name
+        if float in alts and "." in text and text.replace(".", "", 1).isdigit():
+            return float(text)  # "1.0" is a fraction (--target), not one byte
+        size_error = None
         if int in alts:
             try:
                 return parse_bytes(text) if name in _BYTE_FIELDS else int(text)
-            except ValueError:
-                pass
+            except ValueError as exc:
+                size_error = exc if name in _BYTE_FIELDS else None
         if float in alts:
             try:
-                return float(text)
+                value = float(text)
             except ValueError:
                 pass
+            else:
+                if not math.isfinite(value):  # inf/nan would train on, then fail at a step
+                    raise argparse.ArgumentTypeError(
+                        f"invalid value {text!r}; expected a finite number"
+                        + (" (or none)" if nullable else ""))
+                return value
+        if size_error is not None:  # say what is wrong with the size, not "expected int"
+            reason = str(size_error).partition(": ")[2] or str(size_error)
+            raise argparse.ArgumentTypeError(reason.rstrip(".") + ("; or none." if nullable else "."))
         if str in alts or tuple in alts or typing.get_origin(hint) is tuple:
             return text
         allowed = [str(v) for v in literals] + (["none"] if nullable else [])
@@ -89,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags that are not given stay out of the parsed namespace, so that ``--resume`` can tell
     what was given again.
     """
+    parser._negative_number_matcher = _NEGATIVE_VALUE  # (no flag of ours looks like "-1")
+    # argparse prints the usage above each error: the generated one lists all ~60 flags,
+    # 30 lines that bury the one-line error under them (--help still lists every flag).
+    parser.usage = "%(prog)s [options]   (%(prog)s --help lists them)"
     groups: dict[str, Any] = {}
     for key, cls, default in _option_keys():
         group_name, _, name = key.partition(".")
@@ -136,11 +161,22 @@ def run(args: argparse.Namespace) -> int:
     from tightfit.train.loop import train
 
     cfg = config_from_args(args)
+    quiet = bool(getattr(args, "quiet", False))
     tic = time.perf_counter()
-    result = train(cfg)
+    result = train(cfg, progress=not quiet)
     elapsed = time.perf_counter() - tic
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun rank 0 prints the (gathered) report
+    if not quiet:
+        _print_summary(result, elapsed)
+    print(f"wrote {result.out}/:")
+    for key, path in result.files.items():
+        print(f"  {key:13s} {path}")
+    return 0
+
+
+def _print_summary(result: Any, elapsed: float) -> None:
+    """The report table, the loss, the tokens trained and the eval loss (stdout)."""
     h = result.history
     print()
     print(result.report.table())
@@ -159,7 +195,3 @@ def run(args: argparse.Namespace) -> int:
     if evals:
         print(f"eval loss {evals[-1]['eval_loss']:.3f} (perplexity "
               f"{evals[-1]['eval_perplexity']:.2f}) at step {evals[-1]['step']}")
-    print(f"wrote {result.out}/:")
-    for key, path in result.files.items():
-        print(f"  {key:13s} {path}")
-    return 0

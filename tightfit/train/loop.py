@@ -1,16 +1,22 @@
 """The training loop behind ``tightfit train``: set up, run the steps, finish.
 
 :func:`train` is three calls: :func:`tightfit.train.setup.setup` checks everything and builds
-the run (nothing is written before every check passed), :func:`run_steps` trains, evaluates
-every ``--eval-every`` steps and saves the resume state every ``--save-every`` steps,
-and :func:`finish` measures the report, draws the plots and publishes the adapter.
+the run (nothing is written before every check passed), :func:`run_steps` trains (each step is
+:func:`tightfit.train.step.run_step`), evaluates every ``--eval-every`` steps and saves the
+resume state every ``--save-every`` steps, and :func:`finish` publishes the adapter, measures
+the report and draws the plots.
+
+Stopping early loses nothing done: on Ctrl-C, or when a step runs out of memory even when
+retried, the loop saves the state of the last completed step (when the last save is older)
+and raises :class:`TrainInterrupted` or :class:`~tightfit.train.step.StepOutOfMemory` with a
+message saying where it is and how to continue. Under torchrun the ranks cannot agree on a
+save in that moment, so the last periodic save stands.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,17 +24,25 @@ from typing import Any
 
 import torch
 
-from tightfit.measure.tracker import MemoryTracker
 from tightfit.report.report import MemoryReport, measure_report
 from tightfit.train import resume
-from tightfit.train.data import MicroBatch
 from tightfit.train.eval import evaluate
+from tightfit.train.memory import optimizer_stats
 from tightfit.train.options import RunConfig, TrainOptions
 from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
-from tightfit.train.schedule import lr_at
+from tightfit.train.predicted import predicted_without_pass
 from tightfit.train.setup import Run, setup
+from tightfit.train.step import StepOutOfMemory, example_on, run_step
+from tightfit.train.summary import describe_run
 
-__all__ = ["RunConfig", "TrainOptions", "TrainResult", "finish", "run_steps", "train"]
+__all__ = ["RunConfig", "TrainInterrupted", "TrainOptions", "TrainResult", "finish", "run_steps",
+           "train"]
+
+logger = logging.getLogger("tightfit.train")
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``tightfit train``; the message says what was saved and how to resume."""
 
 
 @dataclass
@@ -46,24 +60,29 @@ def train(
     cfg: RunConfig,
     *,
     progress: bool = True,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Run ``tightfit train``.
 
     Args:
         cfg: The run's options.
         progress: Show a progress bar (loss, tokens/s, device-tier occupancy).
-        log: Where to print messages.
+        log: Where messages go (default: the ``tightfit.train`` logger at INFO).
 
     Returns:
         The output folder, the per-step history, the memory report and the files written.
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad input, before training starts.
+        TrainInterrupted: Ctrl-C; the state of the last completed step is saved.
+        StepOutOfMemory: a step ran out of memory twice; the last completed step is saved.
     """
-    run = setup(cfg, progress=progress, log=log)
-    run_steps(run)
-    return finish(run)
+    run = setup(cfg, progress=progress, log=log or logger.info)
+    try:
+        run_steps(run)
+        return finish(run)
+    finally:
+        close_run(run)
 
 
 def run_steps(run: Run) -> None:
@@ -71,125 +90,87 @@ def run_steps(run: Run) -> None:
 
     Raises:
         FloatingPointError: the loss is not finite.
+        TrainInterrupted, StepOutOfMemory: see :func:`train`.
     """
-    t, model, optimizer = run.cfg.train, run.model, run.optimizer
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    t = run.cfg.train
     bar = _progress(run.start, t.steps, run.progress)
-    prev = _opt_stats(optimizer)
-    model.train()
-    for step in range(run.start, t.steps):
-        micros = run.data.train.step(step)  # a function of (seed, step)
-        lr = lr_at(step, lr=run.cfg.optimizer.lr, schedule=t.lr_schedule,
-                   warmup=t.warmup_steps, total=t.steps)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        tic = time.perf_counter()
-        tracked = t.track_every > 0 and step % t.track_every == 0
-        tracker = MemoryTracker(run.device) if tracked else None
-        with tracker if tracker is not None else contextlib.nullcontext():
-            loss = _forward_backward(run, micros)
-        if t.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - tic
-
-        stats = _opt_stats(optimizer)
-        rec = _record(run, step, loss, micros, dt, tracker, stats, prev)
-        prev = stats
-        if run.data.eval is not None and (step + 1 == t.steps or (
-                t.eval_every and (step + 1) % t.eval_every == 0)):
-            rec.update(evaluate(run))
-        run.history.append(rec)
-        if not math.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss is {rec['loss']} at step {step + 1}; lower --lr.")
-        _update_bar(bar, rec)
-        if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
-            run.last_saved = run.job.save_state(run.out, step + 1, model, optimizer, run.history)
-    if bar is not None:
-        bar.close()
+    run.prev_stats = optimizer_stats(run.optimizer)
+    run.model.train()
+    try:
+        for step in range(run.start, t.steps):
+            rec = run_step(run, step)
+            if run.data.eval is not None and (step + 1 == t.steps or (
+                    t.eval_every and (step + 1) % t.eval_every == 0)):
+                rec.update(evaluate(run))
+            if not math.isfinite(rec["loss"]):
+                raise FloatingPointError(f"loss is {rec['loss']} at step {step + 1}; lower --lr.")
+            _update_bar(bar, rec)
+            logger.debug("step %d done: loss %.4f, %.3f s", rec["step"], rec["loss"],
+                         rec["seconds"])
+            if (step + 1) % t.save_every == 0 or step + 1 == t.steps:
+                run.saving = True
+                run.last_saved = run.job.save_state(run.out, step + 1, run.model, run.optimizer,
+                                                    run.history)
+                run.saving = False
+    except KeyboardInterrupt:
+        raise TrainInterrupted(f"interrupted; {_save_after_stop(run)}") from None
+    except StepOutOfMemory as exc:
+        raise StepOutOfMemory(f"{exc} {_save_after_stop(run)}") from None
+    finally:
+        if bar is not None:
+            bar.close()
 
 
-def _forward_backward(run: Run, micros: list[MicroBatch]) -> torch.Tensor:
-    """Forward and backward over a step's micro-batches; the step's loss (this rank's share).
-
-    Each micro-batch's loss is its sum over target tokens divided by the step's target count
-    (over all micro-batches and ranks, divided by the ranks because DDP and FSDP2 average
-    gradients): the summed gradients are those of the mean loss over the whole step, equal to
-    one batch ``--grad-accum`` times larger.
-    """
-    world = run.job.info.world_size if run.job.distributed else 1
-    items = max(1, sum(m.targets for m in micros)) / world  # every rank sees the global rows
-    total = torch.zeros((), device=run.device)
-    for micro in micros:
-        inputs = example_on(run.job.rows(micro.inputs), run.device)
-        loss = run.runner(**inputs, num_items_in_batch=items).loss
-        loss.backward()
-        total = total + loss.detach()
-    return total
-
-
-def _record(
-    run: Run,
-    step: int,
-    loss: torch.Tensor,
-    micros: list[MicroBatch],
-    seconds: float,
-    tracker: MemoryTracker | None,
-    stats: dict[str, Any],
-    prev: dict[str, Any],
-) -> dict[str, Any]:
-    """One step's history record (under torchrun: the global loss and every rank's figures)."""
-    tokens = sum(m.tokens for m in micros)
-    rec = {
-        "step": step + 1,
-        "loss": run.job.mean(float(loss.item())),
-        "lr": run.optimizer.param_groups[0]["lr"],
-        "seconds": seconds,
-        "tokens": tokens,  # the examples' tokens, all micro-batches and ranks
-        "slots": sum(m.slots for m in micros),  # what was computed, padding included
-        "targets": sum(m.targets for m in micros),  # tokens trained
-        "tokens_per_s": tokens / seconds,
-        "time": time.monotonic(),  # the clock paging events use
-        "device_bytes": int(stats.get("device_bytes", 0)),
-        "device_budget": stats.get("device_budget"),
-        "activation_peak": tracker.peak_bytes if tracker is not None else None,
-        "paged_in": int(stats.get("bytes_paged_in", 0)) - int(prev.get("bytes_paged_in", 0)),
-        "paged_out": int(stats.get("bytes_paged_out", 0)) - int(prev.get("bytes_paged_out", 0)),
-    }
-    rec.update(run.job.rank_figures(rec))
-    return rec
+def _save_after_stop(run: Run) -> str:
+    """Save the last completed step unless the newest saved state holds it; say where it is."""
+    done = int(run.history[-1]["step"]) if run.history else run.start
+    saved = resume.saved_step(run.last_saved) if run.last_saved is not None else 0
+    if done > saved and not run.saving and not run.job.distributed:
+        # the RNG as that step left it (a half-done step after it may have drawn from it)
+        resume.set_rng_state(run.rng_done)
+        run.last_saved = resume.save_state(run.out, done, run.model, run.optimizer, run.history)
+        saved = done
+    if run.last_saved is None:
+        return f"no step was completed, nothing saved in {run.out}."
+    lost = f" (steps {saved + 1}-{done} are lost: a save was cut short)" if done > saved else ""
+    return (f"the state of step {saved} is saved in {run.out}{lost}; continue with "
+            f"`tightfit train --resume {run.out}`.")
 
 
 def finish(run: Run) -> TrainResult:
-    """Measure the report, write it, the plots and the adapter; release the optimizer and job."""
+    """Publish the adapter, measure and write the report and the plots."""
     t, job, optimizer, history, out = run.cfg.train, run.job, run.optimizer, run.history, run.out
+    files: dict[str, Path] = {}
+    if job.is_main and run.last_saved is not None:
+        # first: measuring the report runs the longest batch without the pieces, which may
+        # need more memory than training did; the trained adapter is safe before that
+        files["adapter"] = resume.publish_adapter(out, run.last_saved)
+        files["saved_state"] = run.last_saved
+    stats = optimizer_stats(optimizer)  # before the report's own passes move anything
     report = measure_report(run.model, example_on(job.rows(run.example), run.device),
-                            optimizer=optimizer, base_numel=run.info.base_numel)
+                            optimizer=optimizer, base_numel=run.info.base_numel,
+                            without_activation_bytes=predicted_without_pass(run, stats))
     report.meta.update(job.report_meta(optimizer))
-    report.meta.update({
-        "steps": t.steps,
-        "tokens_per_s_median": _median([h["tokens_per_s"] for h in history]),
-        "first_loss": history[0]["loss"] if history else None,
-        "last_loss": history[-1]["loss"] if history else None,
-        **_data_meta(run),
-    })
-    files = report.save(out) if job.is_main else {}
-    events = _paging_events(optimizer)
+    report.meta.update({"steps": t.steps, **_data_meta(run)})
+    describe_run(report, run, stats)
     if job.is_main:
+        files = {**report.save(out), **files}
         files["loss_png"] = plot_loss(history, out / "loss_curve.png")
-        files["timeline_png"] = plot_timeline(history, out / "memory_timeline.png", events)
+        timeline = plot_timeline(history, out / "memory_timeline.png", optimizer_events(optimizer))
+        if timeline is not None:
+            files["timeline_png"] = timeline
         if job.distributed:
             files["ranks_png"] = plot_ranks(history, out / "memory_ranks.png")
-        if run.last_saved is not None:
-            files["adapter"] = resume.publish_adapter(out, run.last_saved)
-            files["saved_state"] = run.last_saved
-    close = getattr(optimizer, "close", None)
+    return TrainResult(out, history, report, files, list(run.info.notes))
+
+
+def close_run(run: Run) -> None:
+    """Release the optimizer (pages, spill files, hooks), the data's temp folder and the job."""
+    close = getattr(run.optimizer, "close", None)
     if callable(close):
         close()
     run.data.close()
-    job.close()
-    return TrainResult(out, history, report, files, list(run.info.notes))
+    run.job.close()
 
 
 def _data_meta(run: Run) -> dict[str, Any]:
@@ -199,6 +180,9 @@ def _data_meta(run: Run) -> dict[str, Any]:
     evals = [{k: x[k] for k in ("step", "eval_loss", "eval_perplexity", "eval_tokens")}
              for x in h if x.get("eval_loss") is not None]
     return {
+        "tokens_per_s_median": _median([x["tokens_per_s"] for x in h]),
+        "first_loss": h[0]["loss"] if h else None,
+        "last_loss": h[-1]["loss"] if h else None,
         "data": run.data.summary,
         "trained_tokens": sum(x.get("targets", 0) for x in h),
         # padding (bucket) or packing (pack) efficiency: the examples' share of what was computed
@@ -210,21 +194,8 @@ def _data_meta(run: Run) -> dict[str, Any]:
     }
 
 
-def _opt_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    stats = getattr(optimizer, "memory_stats", None)
-    if callable(stats):
-        return dict(stats())
-    total = sum(t.nbytes for s in optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor))
-    return {"device_bytes": total, "device_budget": None, "bytes_paged_in": 0,
-            "bytes_paged_out": 0}
-
-
-def example_on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def _paging_events(optimizer: torch.optim.Optimizer) -> list[Any]:
+def optimizer_events(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The paged optimizer's paging events (none for torch's optimizers)."""
     fn = getattr(optimizer, "paging_events", None)
     return list(fn()) if callable(fn) else []
 

@@ -20,9 +20,10 @@ from torch import nn
 from tightfit.optim.registry import OptimizerOptions, optimizer_for
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
 from tightfit.train import model as builtin
-from tightfit.train import resume
+from tightfit.train import resume, validate
 from tightfit.train.data import TrainData, load_tokenizer, load_train_data
 from tightfit.train.job import TrainJob
+from tightfit.train.memory import StepMemory, pressure_note
 from tightfit.train.options import RESUME_FREE, RunConfig, TrainOptions
 
 DEMO_PAGE_BYTES = 64 << 10
@@ -49,6 +50,12 @@ class Run:
         start: The first step to run (the saved step when resuming).
         history: One record per step done so far (read back when resuming).
         last_saved: The folder of the newest saved resume state, if any.
+        memory: Reads each step's memory figures.
+        oom_retries: Steps retried after running out of memory in forward/backward.
+        step_rng: The RNG state at the start of the step in progress (a retry starts there).
+        rng_done: The RNG state after the last completed step (what a save of it holds).
+        prev_stats: The optimizer's ``memory_stats()`` after the previous step.
+        saving: A save is being written (an interrupt then keeps the previous one).
     """
 
     cfg: RunConfig
@@ -65,10 +72,24 @@ class Run:
     start: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     last_saved: Path | None = None
+    memory: StepMemory = field(init=False)
+    oom_retries: int = 0
+    step_rng: dict[str, Any] = field(default_factory=resume.rng_state)
+    rng_done: dict[str, Any] = field(default_factory=resume.rng_state)
+    prev_stats: dict[str, Any] = field(default_factory=dict)
+    saving: bool = False
+
+    def __post_init__(self) -> None:
+        self.memory = StepMemory(self.device)
 
     @property
     def device(self) -> torch.device:
         return self.info.device
+
+    @property
+    def trainable(self) -> list[torch.Tensor]:
+        """The parameters that get gradients (what gradient clipping clips)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
@@ -82,6 +103,7 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
         ValueError / TypeError / FileNotFoundError: bad input, before anything is written.
     """
     t = cfg.train
+    validate.check_run(cfg)  # the lr, device, folders: before torchrun starts or anything loads
     job = TrainJob.start(t.fsdp, t.batch_size, t.device,  # torchrun: one rank of N
                          reshard_after_forward=t.zero3)
     if not job.is_main:
@@ -116,13 +138,16 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
     info = model.tightfit_info
     runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
     o = _optimizer_options(cfg, log)
+    # the target (auto: where it can act) and a watch on the model's blocks: pages leave the
+    # device before a long batch's activations pass the target, on every rank
     optimizer = optimizer_for(model, o.kind, lr=o.lr, weight_decay=o.weight_decay,
                               page_bytes=o.page_bytes, device_budget=o.device_budget,
-                              host_budget=o.host_budget, spill_dir=o.spill_dir)
+                              host_budget=o.host_budget, spill_dir=o.spill_dir, target=o.target)
     for note in info.notes:
         log(f"note: {note}")
     if info.plan is not None:
         log(str(info.plan))
+    log(pressure_note(optimizer, o.target))
 
     run = Run(cfg, job, out, data, model, runner, optimizer, info, example, log, progress)
     _open_output_folder(run, flat, resuming=saved is not None)
@@ -238,6 +263,7 @@ def _open_output_folder(run: Run, flat: dict[str, Any], *, resuming: bool) -> No
     if resuming:
         restored = run.job.load_state(resume.latest_state(run.out), run.model, run.optimizer)
         run.start, run.history = restored.step, restored.history
+        run.rng_done = resume.rng_state()  # as the saved state left it
         run.log(f"resumed from {restored.folder} at step {run.start}")
     elif run.job.is_main:
         run.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,254 @@
+"""The memory report as data, and its renderings: a text table, JSON, Markdown, PNG bars.
+
+A :class:`MemoryReport` holds one :class:`Piece` per memory piece (what the bytes would be
+without it and are with it, measured; ``used`` says whether the piece ran at all), and, when a
+training run filled them in, the step's memory as measured (``step``), what paging did
+(``paging``) and each piece measured beside what ``tightfit plan`` predicted for the same
+setup (``predicted``). :mod:`tightfit.report.report` measures the pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One row of the report.
+
+    Attributes:
+        name: The piece ("base weights", "quantization constants", ...).
+        pain: The memory pain it targets.
+        without: What the bytes would be without the piece (label, e.g. "bf16").
+        without_bytes: Bytes without the piece.
+        with_: What ran (label, e.g. "NF4", or "not quantized (float32)" when the piece was
+            off).
+        with_bytes: Bytes as the run held them, measured.
+        detail: Extra measured figures (bits per parameter, per-tier bytes, ...).
+        used: Whether the piece ran; a piece that was off has no saving to show.
+    """
+
+    name: str
+    pain: str
+    without: str
+    without_bytes: int
+    with_: str
+    with_bytes: int
+    detail: dict[str, Any] = field(default_factory=dict)
+    used: bool = True
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.without_bytes - self.with_bytes if self.used else 0
+
+    @property
+    def ratio(self) -> float | None:
+        """``with / without``; ``None`` for a piece that was off or has nothing to compare."""
+        if not self.used or not self.without_bytes:
+            return None
+        return self.with_bytes / self.without_bytes
+
+
+@dataclass
+class MemoryReport:
+    """The measured per-piece report, plus what it was measured on.
+
+    Attributes:
+        pieces: One row per piece.
+        meta: What the report was measured on (model, device, batch, the run's figures).
+        step: The training step's memory, measured: ``device`` and ``host`` dicts of bytes
+            (``peak_bytes``, ``end_of_step_bytes``, ``counted_bytes``; ``rss_bytes``,
+            ``rss_peak_bytes``) and ``how`` (what measured them).
+        paging: What the optimizer's pager did over the run (moves, bytes, time, retries).
+        predicted: ``{"piece", "measured", "predicted"}`` per piece of ``tightfit plan``'s
+            model for the same setup (empty when the planner has no model of the run).
+    """
+
+    pieces: list[Piece]
+    meta: dict[str, Any] = field(default_factory=dict)
+    step: dict[str, Any] = field(default_factory=dict)
+    paging: dict[str, Any] = field(default_factory=dict)
+    predicted: list[dict[str, Any]] = field(default_factory=list)
+
+    def piece(self, name: str) -> Piece:
+        """The row called ``name``."""
+        for p in self.pieces:
+            if p.name == name:
+                return p
+        raise KeyError(f"no piece {name!r}; pieces are {[p.name for p in self.pieces]}")
+
+    # -- rendering -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        rows = []
+        for p in self.pieces:
+            d = asdict(p)
+            d["with"] = d.pop("with_")
+            d["saved_bytes"] = p.saved_bytes
+            rows.append(d)
+        return {"meta": self.meta, "pieces": rows, "step": self.step, "paging": self.paging,
+                "predicted": self.predicted}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def _rows(self) -> list[list[str]]:
+        return [[p.name, p.pain, f"{p.without} {_mib(p.without_bytes)}",
+                 f"{p.with_} {_mib(p.with_bytes)}",
+                 "off" if not p.used else "—" if p.ratio is None else f"{p.ratio:.3f}"]
+                for p in self.pieces]
+
+    _HEAD = ["piece", "memory pain it targets", "without", "with (measured)", "with/without"]
+
+    def table(self) -> str:
+        """A plain-text table for the terminal, then the step, paging and plan lines."""
+        lines = _text_table(self._HEAD, self._rows())
+        lines += [f"  {line}" for line in self._detail_lines()]
+        lines += self._run_lines()
+        if self.predicted:
+            lines += ["", "measured vs predicted by tightfit plan (the same setup):"]
+            lines += [f"  {line}" for line in _text_table(*self._predicted_rows())]
+        return "\n".join(lines)
+
+    def _detail_lines(self) -> list[str]:
+        return [f"{p.name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in p.detail.items())
+                for p in self.pieces if p.detail]
+
+    def _run_lines(self) -> list[str]:
+        lines = []
+        if self.step:
+            lines.append("step memory (measured): " + step_text(self.step))
+        if self.paging:
+            lines.append("paging: " + paging_text(self.paging))
+        return lines
+
+    def _predicted_rows(self) -> tuple[list[str], list[list[str]]]:
+        head = ["piece", "measured", "predicted", "predicted/measured"]
+        rows = [[r["piece"], _mib(r["measured"]), _mib(r["predicted"]),
+                 f"{r['predicted'] / r['measured']:.3f}" if r["measured"] else "—"]
+                for r in self.predicted]
+        return head, rows
+
+    def to_markdown(self) -> str:
+        """The report as a Markdown document."""
+        lines = ["# tightfit memory report", ""]
+        if self.meta:
+            lines += [f"- {k}: {_fmt(v)}" for k, v in self.meta.items()] + [""]
+        lines += _md_table(self._HEAD, self._rows())
+        lines += ["", "Details (measured):", ""]
+        lines += [f"- {line}" for line in self._detail_lines()]
+        if self._run_lines():
+            lines += ["", "The run (measured):", ""] + [f"- {x}" for x in self._run_lines()]
+        if self.predicted:
+            lines += ["", "Measured vs predicted by `tightfit plan` (the same setup):", ""]
+            lines += _md_table(*self._predicted_rows())
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: str | os.PathLike[str]) -> Path:
+        """Bar chart (MiB, without vs with, for the pieces that ran) saved as PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        shown = [p for p in self.pieces if p.used]
+        x = range(len(shown))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        ax.bar([i - 0.2 for i in x], [p.without_bytes / MiB for p in shown], 0.4,
+               label="without the piece", color="#bbbbbb")
+        ax.bar([i + 0.2 for i in x], [p.with_bytes / MiB for p in shown], 0.4,
+               label="with (measured)", color="#2b7bba")
+        ax.set_xticks(list(x), [p.name for p in shown], rotation=20, ha="right")
+        ax.set_ylabel("MiB")
+        ax.set_yscale("log")
+        for i, p in enumerate(shown):
+            if p.ratio is not None:
+                ax.annotate(f"{p.ratio:.2f}x", (i + 0.2, max(p.with_bytes / MiB, 1e-6)),
+                            ha="center", va="bottom", fontsize=8)
+        off = [p.name for p in self.pieces if not p.used]
+        ax.set_title("tightfit: memory per piece, without vs with"
+                     + (f"\n(off in this run: {', '.join(off)})" if off else ""), fontsize=10)
+        ax.legend()
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def save(self, folder: str | os.PathLike[str]) -> dict[str, Path]:
+        """Write ``report.json``, ``report.md`` and ``memory_report.png`` into ``folder``."""
+        d = Path(folder)
+        d.mkdir(parents=True, exist_ok=True)
+        paths = {"json": d / "report.json", "md": d / "report.md", "png": d / "memory_report.png"}
+        _atomic_write(paths["json"], self.to_json())
+        _atomic_write(paths["md"], self.to_markdown())
+        self.plot(paths["png"])
+        return paths
+
+
+def step_text(step: dict[str, Any]) -> str:
+    """The step's memory in one line: device peak and end of step, host RSS and its peak."""
+    dev, host = step.get("device", {}), step.get("host", {})
+    parts = []
+    if dev.get("peak_bytes") is not None:
+        parts.append(f"device peak {_mib(dev['peak_bytes'])}")
+    if dev.get("end_of_step_bytes") is not None:
+        parts.append(f"{_mib(dev['end_of_step_bytes'])} at the end of the last step")
+    if dev.get("counted_bytes") is not None:
+        parts.append(f"pieces counted {_mib(dev['counted_bytes'])}")
+    if host.get("rss_bytes") is not None:
+        parts.append(f"host RSS {_mib(host['rss_bytes'])}, peak {_mib(host['rss_peak_bytes'])}")
+    how = f" [{step['how']}]" if step.get("how") else ""
+    return "; ".join(parts) + how
+
+
+def paging_text(p: dict[str, Any]) -> str:
+    """What the pager did, in one line."""
+    if p.get("target_bytes") is not None:
+        head = f"target {_mib(p['target_bytes'])} ({p.get('target_option')})"
+    else:
+        head = f"no target ({p.get('target_option')})"
+    share = p.get("pressure_share")
+    return (
+        f"{head}; {p.get('evictions', 0)} evictions ({_mib(p.get('evicted_bytes', 0))} off the "
+        f"device), {p.get('restores', 0)} restores ({_mib(p.get('restored_bytes', 0))} back); "
+        f"{_mib(p.get('bytes_paged_in', 0))} paged in, {_mib(p.get('bytes_paged_out', 0))} out "
+        f"in all; {p.get('pressure_seconds', 0.0):.2f} s on pressure"
+        + (f" ({100 * share:.1f} % of step time)" if share is not None else "")
+        + f"; out of memory: {p.get('oom_recoveries', 0)} recovered inside step(), "
+        f"{p.get('oom_retries', 0)} steps retried"
+    )
+
+
+def _mib(n: int | float | None) -> str:
+    return "—" if n is None else f"{n / MiB:.2f} MiB"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _text_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    table = [head, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

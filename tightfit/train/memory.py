@@ -1,0 +1,73 @@
+"""The memory figures of a run: each step's total and peak, the optimizer's paging, pressure.
+
+Per step, :class:`StepMemory` records what a person watching the machine would see:
+
+* on CUDA, the allocator's bytes at the end of the step (``memory_allocated``) and its
+  high-water mark so far (``max_memory_allocated``), plus the process's RSS on the host;
+* on the CPU, where device and host are one place, the process's RSS at the end of the step
+  (``/proc/self/statm``) and its high-water mark so far (``getrusage``).
+
+Nothing is reset: the high-water marks are the process's (other readers of them, the
+pager's probes among them, see every transient), so a spike shows as a step up of the line,
+and the first steps' mark includes what setting up the run needed (the checkpoint planner
+profiles the longest batch without checkpointing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tightfit.paging.probes import RSSProbe
+
+MiB = 1 << 20
+
+
+class StepMemory:
+    """Reads one step's memory figures (see the module docstring) on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._rss = RSSProbe()
+
+    def end_step(self) -> dict[str, int | None]:
+        """``mem_total``, ``mem_peak`` (CUDA only, so far; ``None`` on the CPU), ``host_rss``
+        and ``host_rss_peak`` (so far) in bytes, as of now."""
+        rss = self._rss.used_bytes()
+        if self.device.type == "cuda":
+            total = torch.cuda.memory_allocated(self.device)
+            peak: int | None = torch.cuda.max_memory_allocated(self.device)
+        else:
+            total, peak = rss, None
+        # the kernel updates its high-water mark lazily: it may trail the RSS just read
+        return {"mem_total": int(total), "mem_peak": peak, "host_rss": rss,
+                "host_rss_peak": max(rss, RSSProbe.process_peak_bytes())}
+
+
+def optimizer_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A paged optimizer's ``memory_stats()``; for any other its state bytes as resident."""
+    stats = getattr(optimizer, "memory_stats", None)
+    if callable(stats):
+        return dict(stats())
+    total = sum(t.nbytes for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return {"device_bytes": total, "device_budget": None, "bytes_paged_in": 0,
+            "bytes_paged_out": 0}
+
+
+def pressure_note(optimizer: torch.optim.Optimizer, target_option: object) -> str:
+    """One line saying whether, and how, the optimizer keeps the device under a target."""
+    stats = optimizer_stats(optimizer)
+    target = stats.get("target_bytes")
+    if target is None:
+        if not callable(getattr(optimizer, "memory_stats", None)):
+            return "pressure: off (torch's AdamW has no pages to move; --optimizer paged_adamw)"
+        if target_option is None:
+            return "pressure: off (--target none)"
+        return ("pressure: off (--target auto acts on CUDA, or on the CPU under a memory "
+                "cgroup limit; pass --target BYTES to keep this process's RSS under it)")
+    watched = "watching the model's blocks" if "watch_reads" in stats else "not watching"
+    how = "auto" if target_option == "auto" else f"--target {target_option}"
+    return (f"pressure: target {target / MiB:,.1f} MiB ({how}); {watched}: optimizer pages "
+            "leave the device before a spike passes it and come back after")

@@ -1,0 +1,125 @@
+"""What ``tightfit plan`` predicts for the setup a run used, beside what the run measured.
+
+The run's options and its report's batch become a :class:`~tightfit.planner.setup.TrainSetup`
+(the same names, :mod:`tightfit.planner.train_args`), the model's config a
+:class:`~tightfit.planner.presets.ModelShape`; :func:`~tightfit.planner.estimate.estimate`
+then predicts every piece, and each is paired with the run's measured figure. Where the
+planner has no model of the run (an architecture outside the Llama family, an optimizer or a
+checkpoint policy it does not model) the comparison is left out and the reason given.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tightfit.loss import auto_chunk_tokens
+from tightfit.measure.dtypes import dtype_name
+from tightfit.paging.occupancy import default_probe
+from tightfit.planner.estimate import Estimate, Overhead, estimate
+from tightfit.planner.presets import shape_from_config
+from tightfit.planner.setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
+from tightfit.report.document import MemoryReport
+
+if TYPE_CHECKING:
+    from tightfit.train.setup import Run
+
+
+def planned_estimate(run: Run) -> tuple[Estimate | None, str]:
+    """The planner's estimate for the run's setup at its report batch, or ``None`` and why."""
+    info, cfg = run.info, run.cfg
+    config = getattr(run.model, "config", None)
+    if config is None:
+        return None, "the model has no Hugging Face config for tightfit plan to read"
+    lora = info.lora
+    targets = ALL_LINEAR if lora is None or lora.target_modules == "all-linear" else tuple(
+        lora.target_modules)
+    if lora is None or any(t not in ALL_LINEAR for t in targets):
+        return None, "tightfit plan models LoRA on the Llama projections only"
+    if cfg.optimizer.kind not in PLANNED_OPTIMIZERS:
+        return None, f"tightfit plan does not model --optimizer {cfg.optimizer.kind}"
+    plan = info.plan
+    policy = "none" if plan is None else plan.policy
+    if policy == "selective":
+        return None, "tightfit plan does not model --checkpoint selective"
+    rows, length = (int(n) for n in run.job.rows(run.example)["input_ids"].shape)
+    try:
+        shape = shape_from_config(config.to_dict(), name=type(run.model).__name__)
+        setup = TrainSetup(
+            seq_len=length, batch=rows,
+            compute_dtype=dtype_name(str(info.compute_dtype).removeprefix("torch.")),
+            # FP4 is stored as NF4 is (two values a byte, the same constants)
+            quant="nf4" if info.options.quant is not None else "none",
+            double_quant=info.options.double_quant, blocksize=info.options.blocksize,
+            lora_r=lora.r, lora_targets=targets, lora_dropout=lora.dropout,
+            checkpoint=policy,
+            checkpoint_budget=getattr(plan, "budget_bytes", None) if policy == "budget" else None,
+            optimizer=cfg.optimizer.kind,
+            optimizer_device_budget=cfg.optimizer.device_budget,
+            loss_chunk_tokens=_chunk_tokens(info, shape.vocab, length, rows),
+        )
+        overhead = Overhead() if run.device.type == "cuda" else Overhead(0, 0.0)
+        return estimate(shape, setup, overhead), ""
+    except ValueError as exc:
+        return None, f"tightfit plan cannot model this run: {exc}"
+
+
+def _chunk_tokens(info: Any, vocab: int, length: int, rows: int) -> int | None:
+    """Tokens per loss chunk as the run used them (``"auto"`` resolved for this batch)."""
+    chunks = info.loss_chunks
+    if chunks is None:
+        return None
+    if chunks == "auto":
+        return auto_chunk_tokens(vocab, length, rows, info.compute_dtype)
+    return int(chunks)
+
+
+def compare(report: MemoryReport, est: Estimate, device_peak: int | None) -> list[dict[str, Any]]:
+    """Each predicted piece beside the report's measured figure for it."""
+    w, c = report.piece("base weights"), report.piece("quantization constants")
+    t, a = report.piece("trainable params + grads"), report.piece("activations")
+    measured_weights = w.with_bytes + int(report.meta.get("frozen_other_bytes", 0))
+    rows = [
+        ("weights (base + embeddings, head, norms)", measured_weights, est.weights),
+        ("quantization constants", c.with_bytes + int(c.detail.get("lookup_table_bytes", 0)),
+         est.constants),
+        ("LoRA params", int(t.detail["param_bytes"]), est.lora),
+        ("LoRA grads", int(t.detail["grad_bytes"]), est.grads),
+        ("activation peak (layers + head/loss)", a.with_bytes, est.activation_peak),
+    ]
+    counted = sum(m for _, m, _ in rows)
+    opt = next((p for p in report.pieces if p.name == "optimizer state"), None)
+    if opt is not None:
+        rows.append(("optimizer state", opt.with_bytes, est.optimizer + est.optimizer_offloaded))
+        on_device = min(opt.with_bytes, int(opt.detail.get("device", opt.with_bytes)))
+        rows.append(("optimizer state on the device", on_device, est.optimizer))
+        counted += on_device
+    if device_peak is not None:
+        rows.append(("step total (device peak; predicted with overhead)", device_peak, est.total))
+    else:
+        rows.append(("step total (the pieces above, device)", counted, est.total))
+    return [{"piece": name, "measured": int(m), "predicted": int(p)} for name, m, p in rows]
+
+
+
+def predicted_without_pass(run: Run, stats: dict[str, Any]) -> int | None:
+    """The predicted activation peak of the report's step without the plan and the chunked
+    loss, when running it could pass the memory target; ``None``: measure it.
+
+    The report runs the run's longest batch once more with both pieces off. With a target
+    (pressure on) that step must fit under it: the room is the target less what is in use
+    now, plus the optimizer's pages (the watch drains them first). When the planner predicts
+    more extra activation bytes than that room, the report shows the prediction instead of
+    risking the run's end (a memory cgroup kills; it does not raise).
+    """
+    target = stats.get("target_bytes")
+    if target is None:
+        return None
+    est, _ = planned_estimate(run)
+    if est is None:
+        return None
+    bare = estimate(est.shape, est.setup.with_(checkpoint="none", checkpoint_budget=None,
+                                               loss_chunk_tokens=None), Overhead(0, 0.0))
+    probe = default_probe(run.device)
+    room = int(target) - probe.used_bytes() + int(stats.get("device_bytes", 0))
+    extra = bare.activation_peak - est.activation_peak
+    return bare.activation_peak if extra > room else None

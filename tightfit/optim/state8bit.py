@@ -19,6 +19,7 @@ import torch
 
 from tightfit.optim import quant8, state_io
 from tightfit.optim.dtensor import is_dtensor, local_state, local_tensor
+from tightfit.optim.flat import PLAIN
 
 
 class Paged8bitState(state_io.PagedState, Protocol):
@@ -91,6 +92,7 @@ def _check_entry(opt: Paged8bitState, key: Any, p: torch.Tensor, entry: Any) -> 
                 f"state {name!r} of param {key} has shape {shape} but the param has shape "
                 f"{tuple(local_tensor(p).shape)}; the state dict is for another parameter layout"
             )
+        state_io.check_state_tensor(key, name, t, p, PLAIN)  # read flat, in row-major order
         if fmt == "native" and (t.dtype == torch.uint8) != (want == torch.uint8):
             raise ValueError(
                 f"state {name!r} of param {key} is {t.dtype} but this optimizer keeps "
@@ -105,6 +107,7 @@ def _check_entry(opt: Paged8bitState, key: Any, p: torch.Tensor, entry: Any) -> 
                     f"state of param {key} needs absmax{i} with {quant8.blocks(numel)} "
                     "values (one per 256 elements); the state dict is for another layout"
                 )
+            state_io.check_state_tensor(key, f"absmax{i}", a, p, PLAIN)
     return fmt
 
 
@@ -125,7 +128,8 @@ def check_and_load(opt: Paged8bitState, state_dict: dict[str, Any]) -> None:
         fmt = _check_entry(opt, key, p, entry)
         loaded[id(p)] = (fmt, entry)
         consumed = [*_NATIVE, *opt.torch_names, *opt._access.names(p)]
-        steps[id(p)] = (entry["step"], state_io.plain_entries(entry, consumed))
+        step = state_io.checked_step(key, entry["step"])
+        steps[id(p)] = (step, state_io.plain_entries(entry, consumed))
     # Everything checked: now change things.
     state_io.replace_groups_and_steps(opt, new_groups, steps, others)
     store = opt.pager

@@ -1,17 +1,17 @@
-"""State of a paged optimizer in and out: torch-format state dicts and streamed page files.
+"""State of a paged optimizer in and out as torch-format state dicts, and what loads share.
 
 Torch format (``{"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}``) is what
-``torch.optim.AdamW`` reads and writes, so a run can move between the two either way. The page
-file is for states too big for RAM: a JSON header, then each page's bytes in sweep order,
-written to a temp file and renamed into place.
+``torch.optim.AdamW`` reads and writes, so a run can move between the two either way. Page
+files (states too big for RAM) are :mod:`tightfit.optim.state_file`'s.
+
+Every load converts and checks everything first — groups against the constructor's checks,
+each param's state against its layout, each step count — and only then changes the
+optimizer, so a refused load leaves params, state and hyperparameters as they were.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-import tempfile
+import math
 from typing import Any, Protocol
 
 import torch
@@ -21,8 +21,6 @@ from tightfit.optim.flat import ElementOrder, real_numel
 from tightfit.optim.param_state import ParamState, StateAccess
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.store import PageStore
-
-_MAGIC = b"TIGHTFIT-PAGES\x00\x01"
 
 
 class PagedState(Protocol):
@@ -53,6 +51,8 @@ class PagedState(Protocol):
     def _clear_pending_step(self) -> None: ...
 
     def _new_param_state(self, param: torch.Tensor, items: dict[str, Any]) -> ParamState: ...
+
+    def close(self) -> None: ...
 
 
 def indexed_params(opt: PagedState) -> dict[int, torch.Tensor]:
@@ -195,17 +195,19 @@ def from_torch(opt: PagedState, state_dict: dict[str, Any]) -> None:
     loaded: dict[int, dict[str, Any]] = {}
     plains: dict[int, dict[str, Any]] = {}
     others = other_keys(state_dict, id_to_param)
+    steps: dict[int, float] = {}
     for key, entry in state_dict["state"].items():
         if key in others:
             continue
         p = id_to_param[key]
         names = [s.name for s in opt._state_specs(new_groups[owner[id(p)]])]
-        missing = [n for n in ["step", *names] if n not in entry]
+        missing = [n for n in ["step", *names] if not isinstance(entry, dict) or n not in entry]
         if missing:
             raise ValueError(
                 f"state of param {key} lacks {missing}; load a state dict of the same optimizer "
                 "type (torch AdamW/Adam for PagedAdamW/PagedAdam)"
             )
+        steps[id(p)] = checked_step(key, entry["step"])
         # DTensor state (from set_optimizer_state_dict, resharded by DCP) -> this rank's shard
         entry = {
             k: local_state(v, p) if k in names and is_dtensor(v) else v for k, v in entry.items()
@@ -221,11 +223,12 @@ def from_torch(opt: PagedState, state_dict: dict[str, Any]) -> None:
                     f"{tuple(lp.shape)} ({lp.dtype}); the state dict is for another parameter "
                     "layout"
                 )
+            check_state_tensor(key, n, t, p, opt._access.order(p))
         loaded[id(p)] = entry
         plains[id(p)] = plain_entries(entry, [*names, *opt._access.names(p)])
     # Everything checked: now change things.
     replace_groups_and_steps(
-        opt, new_groups, {k: (e["step"], plains[k]) for k, e in loaded.items()}, others
+        opt, new_groups, {k: (steps[k], plains[k]) for k in loaded}, others
     )
     for page in opt.pager.pages:
         group = opt.param_groups[page.group]
@@ -263,15 +266,60 @@ def other_keys(state_dict: dict[str, Any], id_to_param: dict[Any, torch.Tensor])
     return others
 
 
+def checked_step(key: Any, step: Any) -> float:
+    """A loaded step count as a float: a number or one-element real tensor, finite, >= 0.
+
+    Raises:
+        ValueError: anything else (``None``, text, NaN, a negative count), naming the param;
+            a ``None`` taken as 0 would silently restart that param's bias correction.
+    """
+    value = step
+    if isinstance(step, torch.Tensor):
+        ok = step.numel() == 1 and step.device.type != "meta"
+        ok = ok and not step.is_complex() and step.dtype != torch.bool
+        value = step.item() if ok else None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value >= 0:
+        return float(value)
+    shown = f"a tensor {tuple(step.shape)} {step.dtype}" if isinstance(step, torch.Tensor) else (
+        repr(step) if len(repr(step)) < 40 else type(step).__name__)
+    raise ValueError(
+        f"state of param {key} has step {shown}; a step count must be a finite number >= 0 "
+        "(a float or a one-element tensor, as torch saves it; a param that never stepped has "
+        "no state entry at all): the saved state is damaged or was edited, load one the "
+        "optimizer saved"
+    )
+
+
+def check_state_tensor(
+    key: Any, name: str, t: torch.Tensor, p: torch.Tensor, order: ElementOrder
+) -> None:
+    """``t`` (state ``name`` of param ``key``, its size already checked) can be read into the
+    pages in ``order``: real numbers in memory, shaped like the param where the pages permute
+    its dims (``ValueError`` otherwise, so that loading never fails half done)."""
+    lt = local_tensor(t)
+    if lt.device.type == "meta" or lt.dtype == torch.bool or lt.is_quantized:
+        raise ValueError(
+            f"state {name!r} of param {key} is a {lt.dtype} tensor on {lt.device}, which holds "
+            "no state values; load a state dict saved by an optimizer that stepped"
+        )
+    if order.perm is not None and tuple(lt.shape) != tuple(local_tensor(p).shape):
+        raise ValueError(
+            f"state {name!r} of param {key} has shape {tuple(lt.shape)} but the param has shape "
+            f"{tuple(local_tensor(p).shape)}; state tensors must be shaped like their param"
+        )
+
+
 def replace_groups_and_steps(
     opt: PagedState,
     groups: list[dict[str, Any]],
-    steps: dict[int, tuple[Any, dict[str, Any]]],
+    steps: dict[int, tuple[float, dict[str, Any]]],
     others: dict[Any, Any] | None = None,
 ) -> None:
     """Allocate the pages, then install checked ``groups``, each param's step count and
-    plain entries (``steps`` keyed by ``id(param)``: ``(step, entries)``; a param without
-    one gets no state, as in torch) and the state kept under other keys (``others``)."""
+    plain entries (``steps`` keyed by ``id(param)``: ``(step, entries)``, the step checked by
+    :func:`checked_step`; a param without one gets no state, as in torch) and the state kept
+    under other keys (``others``). Nothing here can refuse: call it once all is checked."""
     opt.pager.materialize()
     for gi, merged in enumerate(groups):
         opt.param_groups[gi].clear()
@@ -283,85 +331,5 @@ def replace_groups_and_steps(
         item = steps.get(id(p))
         if item is not None:
             step, entries = item
-            step = float(step.item() if isinstance(step, torch.Tensor) else step)
             step_t = torch.tensor(step, dtype=torch.float32, device=p.device)
             opt.state[p] = opt._new_param_state(p, {"step": step_t, **entries})
-
-
-def _header(opt: PagedState) -> dict[str, Any]:
-    def plain(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.item()
-        if isinstance(v, tuple | list):
-            return [plain(x) for x in v]
-        return v
-
-    return {
-        "optimizer": type(opt).__name__,
-        "groups": [
-            {k: plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
-        ],
-        "params": [[list(local_tensor(p).shape) for p in g["params"]] for g in opt.param_groups],
-        "steps": [
-            [opt.state[p]["step"].item() if has_state(opt, p) else None for p in g["params"]]
-            for g in opt.param_groups
-        ],
-        "pages": [[p.group, str(p.dtype), p.elements, p.nbytes] for p in opt.pager.pages],
-    }
-
-
-def save(opt: PagedState, path: str | os.PathLike) -> None:
-    """Stream every page to ``path``; a crash mid-write leaves any old file intact."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"folder {folder!r} does not exist; create it before save()")
-    header = json.dumps(_header(opt)).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".tightfit-save-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
-            for page in opt.pager.pages:  # one page in RAM at a time
-                f.write(opt.pager.read_page(page).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def load(opt: PagedState, path: str | os.PathLike) -> None:
-    """Read a :func:`save` file into the pages; checks the layout before changing anything."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        magic = f.read(len(_MAGIC))
-        if magic != _MAGIC:
-            raise ValueError(f"{path!r} is not a tightfit page file; pass a file written by save()")
-        (n,) = struct.unpack("<Q", f.read(8))
-        saved = json.loads(f.read(n))
-        mine = _header(opt)
-        for key, what in (("optimizer", "optimizer type"), ("params", "param shapes"),
-                          ("pages", "page layout (page_bytes, dtypes, groups)")):
-            if saved[key] != mine[key]:
-                raise ValueError(
-                    f"{path!r} was saved with another {what}; load it into an optimizer built "
-                    "with the same params, groups, hyperparameters and page_bytes"
-                )
-        expected = f.tell() + sum(p.nbytes for p in opt.pager.pages)
-        if os.fstat(f.fileno()).st_size != expected:
-            raise ValueError(f"{path!r} is truncated or corrupt; save it again")
-        opt.pager.materialize()
-        for page in opt.pager.pages:
-            data = torch.frombuffer(bytearray(f.read(page.nbytes)), dtype=torch.uint8)
-            opt.pager.write_page(page, data)
-    opt.state.clear()
-    for gi, (group, sg) in enumerate(zip(opt.param_groups, saved["groups"])):
-        for k, v in sg.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-        for p, step in zip(group["params"], saved["steps"][gi]):
-            if step is not None:
-                step_t = torch.tensor(step, dtype=torch.float32, device=p.device)
-                opt.state[p] = opt._new_param_state(p, {"step": step_t})
-    opt._clear_pending_step()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tightfit.optim import state_io
+from tightfit.optim import state_file, state_io
 from tightfit.optim.dtensor import local_tensor
 from tightfit.optim.param_state import StateAccess
 
@@ -119,15 +119,21 @@ class TorchAPI:
         self._check_groups(for_step=True)
         self._adopt_plain_states()
         self._access.flush()
-        state_io.save(self, path)  # type: ignore[arg-type]
+        state_file.save(self, path)  # type: ignore[arg-type]
 
     def load(self, path: str | os.PathLike) -> None:
-        """Read a file written by :meth:`save` for the same params, page by page."""
+        """Read a file written by :meth:`save` for the same params, page by page.
+
+        The file is refused whole (``ValueError`` for another layout or hyperparameters the
+        constructor refuses, :class:`~tightfit.tiers.integrity.CorruptStateError` for bytes
+        that do not match their checksums) before anything changes; see
+        :mod:`tightfit.optim.state_file`.
+        """
         self._check_open()
         self._check_groups(for_step=True)
         self._follow_device("load()")
         self._view_cache.clear()  # the step tensors are replaced
-        state_io.load(self, path)  # type: ignore[arg-type]
+        state_file.load(self, path)  # type: ignore[arg-type]
         self._access.refresh()
 
     # ------------------------------------------------------------------ copy and pickle

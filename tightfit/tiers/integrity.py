@@ -13,6 +13,7 @@ and integrity").
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -63,3 +64,15 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
 def zeros_checksum(nbytes: int) -> int:
     """The checksum of ``nbytes`` zero bytes (a page that was never written)."""
     return xxhash.xxh3_64_intdigest(bytes(nbytes))
+
+
+def file_checksum(path: str | os.PathLike[str], chunk: int = 1 << 20) -> int:
+    """The :data:`ALGORITHM` checksum of a whole file's bytes, read ``chunk`` bytes at a time
+    (a file of any size in bounded memory)."""
+    digest = xxhash.xxh3_64()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            digest.update(view[:n])
+    return digest.intdigest()

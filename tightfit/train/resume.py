@@ -18,6 +18,13 @@ Layout of an output folder::
 A saved state is written into a temporary folder, renamed into place (a rename is atomic),
 and only then does ``LATEST`` move to it (write a temp file + ``os.replace``); older saved
 states are deleted last. A kill at any moment leaves ``LATEST`` naming a complete one.
+
+Every saved state holds ``checksums.json``, the XXH3-64 of each of its files but
+``optimizer.pt`` (whose pages carry their own), and a resume verifies them all and reads every
+file before it changes anything: a damaged file is a one-line error naming it, never a run
+that trains on. Temps (``.LATEST.tmp-*``, ``.tmp-*`` saved-state folders, ...) carry their
+process in their name (:mod:`tightfit.tiers.temps`); a run that starts in the folder removes
+those of processes that no longer exist and says so.
 """
 
 from __future__ import annotations
@@ -32,11 +39,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit.measure.sizes import format_bytes
+from tightfit.tiers.integrity import ALGORITHM, CorruptStateError, file_checksum
+from tightfit.tiers.owner import Removed
+from tightfit.tiers.temps import remove_stale_temps, temp_path
 from tightfit.train.options import LAUNCH_KEYS, RESUME_FREE, RunConfig, flag_name
 
 LATEST = "LATEST"
 CONFIG = "run_config.json"
 STATES_DIR = "checkpoints"  # the on-disk name predates the vocabulary; kept for old runs
+CHECKSUMS = "checksums.json"
+OPTIMIZER = "optimizer.pt"
+TRAINER = "trainer_state.pt"
+# temps of the run folder / of its checkpoints folder, each followed by its owner's token
+_OUT_TEMPS = (f".{LATEST}.tmp-", f".{CONFIG}.tmp-", ".adapter.tmp-", ".adapter.old-")
+_STATE_TEMPS = (".tmp-",)
 
 
 @dataclass
@@ -49,12 +66,16 @@ class SavedState:
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = temp_path(path.parent, f".{path.name}.tmp-")  # named first: always removable below
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -104,15 +125,30 @@ def save_state(
     states.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final = states / name
-    tmp = states / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "adapter")
-    save_optimizer(optimizer, tmp / "optimizer.pt")
-    torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / "trainer_state.pt")
+    tmp = Path(temp_path(states, ".tmp-") + f"-{name}")
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter")
+        save_optimizer(optimizer, tmp / OPTIMIZER)
+        torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / TRAINER)
+        write_checksums(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     publish_state(out, tmp, final, keep)
     return final
+
+
+def write_checksums(folder: Path) -> None:
+    """Record the checksum of every file of the saved state ``folder`` but the optimizer's
+    (its pages carry their own) in ``folder/checksums.json``."""
+    sums = {str(p.relative_to(folder)): f"{file_checksum(p):016x}"
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name not in (OPTIMIZER, CHECKSUMS)}
+    with open(folder / CHECKSUMS, "x") as f:
+        json.dump({"algorithm": ALGORITHM, "files": sums}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def publish_state(out: Path, tmp: Path, final: Path, keep: int = 1) -> None:
@@ -138,16 +174,83 @@ def latest_state(out: Path) -> Path | None:
     pointer = out / LATEST
     if not pointer.is_file():
         return None
-    folder = out / pointer.read_text().strip()
-    return folder if (folder / "trainer_state.pt").is_file() else None
+    try:
+        folder = out / pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise _unusable(pointer, "LATEST cannot be read") from None
+    return folder if (folder / TRAINER).is_file() else None
+
+
+def _unusable(folder: Path, what: str) -> ValueError:
+    return ValueError(f"cannot resume from the saved state {str(folder)!r}: {what}. Nothing was "
+                      "changed; restore the run folder from a copy, or start a new --out.")
+
+
+def verify_checksums(folder: Path) -> bool:
+    """Check every file ``checksums.json`` lists (``False``: a saved state from before it).
+
+    Raises:
+        ValueError: a listed file is missing or its bytes differ.
+    """
+    listing = folder / CHECKSUMS
+    if not listing.is_file():
+        return False
+    try:
+        files = json.loads(listing.read_text())["files"]
+        items = [(str(k), int(v, 16)) for k, v in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise _unusable(folder, f"{CHECKSUMS} is damaged") from None
+    for name, want in items:
+        path = folder / name
+        if not path.is_file():
+            raise _unusable(folder, f"{name} is missing")
+        if file_checksum(path) != want:
+            raise _unusable(folder, f"{name} does not match its checksum ({ALGORITHM}): the "
+                                    "file was damaged after it was saved")
+    return True
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """The saved state's ``trainer_state.pt`` (step, RNG states, history), every file of the
+    saved state verified first (:func:`verify_checksums`) and the contents checked.
+
+    Raises:
+        ValueError: a damaged file or contents that are not a trainer state.
+    """
+    verify_checksums(folder)
+    try:
+        state = torch.load(folder / TRAINER, weights_only=True, map_location="cpu")
+    except Exception as exc:  # a damaged zip or pickle raises many kinds
+        raise _unusable(folder, f"{TRAINER} cannot be read ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    ok = ok and isinstance(state.get("history"), list) and isinstance(state.get("rng"), dict)
+    if not ok or not isinstance(state["rng"].get("cpu"), torch.Tensor):
+        raise _unusable(folder, f"{TRAINER} holds no step, RNG states and history")
+    return state
 
 
 def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> SavedState:
-    """Load adapter weights, optimizer state and RNG states from a saved state's folder."""
+    """Load adapter weights, optimizer state and RNG states from a saved state's folder.
+
+    Every file is verified and read before anything changes, and the optimizer refuses a bad
+    file whole: a damaged saved state is a ``ValueError`` naming the file, with the model and
+    optimizer as they were (but for adapter keys this model lacks, found only when applied).
+    """
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
+    state = read_trainer_state(folder)
     device = next(model.parameters()).device
-    weights = load_peft_weights(str(folder / "adapter"), device=str(device))
+    try:
+        weights = load_peft_weights(str(folder / "adapter"), device=str(device))
+    except Exception as exc:  # safetensors' and torch's errors for bad bytes
+        raise _unusable(folder, f"the adapter cannot be read ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    try:
+        load_optimizer(optimizer, folder / OPTIMIZER)
+    except (ValueError, CorruptStateError, OSError, EOFError) as exc:
+        raise _unusable(folder, f"{OPTIMIZER} is refused: {exc}") from None
     result = set_peft_model_state_dict(model, weights)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
@@ -155,15 +258,30 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
             f"saved state {str(folder)!r} has adapter weights this model does not have "
             f"({unexpected[:3]}...); resume with the configuration that wrote it."
         )
-    load_optimizer(optimizer, folder / "optimizer.pt")
-    state = torch.load(folder / "trainer_state.pt", weights_only=False)
     set_rng_state(state["rng"])
-    return SavedState(int(state["step"]), list(state["history"]), folder)
+    return SavedState(state["step"], list(state["history"]), folder)
 
 
 def saved_step(folder: Path) -> int:
-    """The step a saved state reached."""
-    return int(torch.load(folder / "trainer_state.pt", weights_only=False)["step"])
+    """The step a saved state reached (its files verified: :func:`read_trainer_state`)."""
+    return int(read_trainer_state(folder)["step"])
+
+
+def clean_leftovers(out: Path, optimizer: torch.optim.Optimizer | None = None) -> str | None:
+    """Remove the temps of processes that no longer exist from the run folder ``out`` (and
+    its saved states' folder); one line saying what was removed, with the spill folders the
+    optimizer removed when it started (``None`` when there was nothing)."""
+    removed: list[Removed] = remove_stale_temps(out, _OUT_TEMPS)
+    removed += remove_stale_temps(out / STATES_DIR, _STATE_TEMPS)
+    events = getattr(optimizer, "paging_events", None)
+    spill = [e for e in events() if e.kind == "cleanup"] if callable(events) else []
+    if not removed and not spill:
+        return None
+    parts = [Path(r.path).name for r in removed] + [f"{len(spill)} spill folder(s)"] * bool(spill)
+    pids = sorted({r.pid for r in removed})
+    total = sum(r.nbytes for r in removed) + sum(e.nbytes for e in spill)
+    return (f"cleaned up after processes that no longer run{f' (pid {pids})' if pids else ''}: "
+            f"removed {', '.join(parts)} ({format_bytes(total)})")
 
 
 def write_config(out: Path, config: dict[str, Any]) -> None:
@@ -171,13 +289,27 @@ def write_config(out: Path, config: dict[str, Any]) -> None:
 
 
 def read_config(out: Path) -> dict[str, Any]:
+    """The options a run folder was written with (``run_config.json``).
+
+    Raises:
+        FileNotFoundError: ``out`` is no run folder.
+        ValueError: its ``run_config.json`` is damaged (not a JSON object).
+    """
     path = out / CONFIG
     if not path.is_file():
         raise FileNotFoundError(
             f"{str(out)!r} has no {CONFIG}: it is not a tightfit train output folder; pass "
             "the --out folder of an earlier run to --resume."
         )
-    return json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError too
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); restore it from a copy of "
+                         "the run folder, or start a new --out.") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{str(path)!r} holds no JSON object; restore it from a copy of the "
+                         "run folder, or start a new --out.")
+    return saved
 
 
 def resumed_config(folder: str | os.PathLike[str], changes: dict[str, Any]) -> RunConfig:
@@ -223,11 +355,13 @@ def config_mismatch(saved: dict[str, Any], current: dict[str, Any], free: set[st
 def publish_adapter(out: Path, saved: Path) -> Path:
     """Copy the adapter of the saved state ``saved`` to ``out/adapter``, swapped in atomically."""
     final = out / "adapter"
-    tmp = out / f".adapter.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(saved / "adapter", tmp)
-    old = out / f".adapter.old-{os.getpid()}"
+    tmp = Path(temp_path(out, ".adapter.tmp-"))
+    try:
+        shutil.copytree(saved / "adapter", tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = Path(temp_path(out, ".adapter.old-"))
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)

@@ -268,5 +268,9 @@ def _open_output_folder(run: Run, flat: dict[str, Any], *, resuming: bool) -> No
     elif run.job.is_main:
         run.out.mkdir(parents=True, exist_ok=True)
         resume.write_config(run.out, flat)
+    if run.job.is_main:  # after a load, which may still refuse: a refused resume removes nothing
+        note = resume.clean_leftovers(run.out, run.optimizer)  # temps of killed runs
+        if note is not None:
+            run.log(note)
     run.job.barrier()
     run.last_saved = resume.latest_state(run.out)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from tightfit.cli import main
+from tightfit.optim.registry import OptimizerOptions
 from tightfit.train import resume
+from tightfit.train.loop import RunConfig, TrainOptions, train
 
 FAST = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--lora-r", "2",
         "--track-every", "0", "--checkpoint", "none"]  # fmt: skip
@@ -81,6 +83,16 @@ def test_each_bad_flag_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_dir,
         line = _refused(["train", *model, "--out", str(out), *FAST], capsys)
         assert "is a file" in line, line
     assert _files(tmp_path) == before  # nothing written or touched anywhere
+
+
+def test_the_python_api_refuses_a_learning_rate_that_is_not_finite(tmp_path, tiny_dir) -> None:
+    for lr, decay in ((float("nan"), 0.0), (float("inf"), 0.0), (1e-3, float("nan"))):
+        out = tmp_path / "run"
+        cfg = RunConfig(train=TrainOptions(model=str(tiny_dir), out=str(out), steps=2),
+                        optimizer=OptimizerOptions(lr=lr, weight_decay=decay))
+        with pytest.raises(ValueError, match="must be a finite number"):
+            train(cfg, progress=False, log=lambda _msg: None)
+        assert not out.exists()  # refused before the folder or run_config.json
 
 
 @pytest.fixture(scope="module")

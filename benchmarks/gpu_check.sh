@@ -16,6 +16,13 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 "$PY" -c "import torch; print('gpu_check:', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$LOG"
+# bitsandbytes from the wheel benchmarks/gpu_wheels.sh downloaded, when the machine lacks it
+if ! "$PY" -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" -c "import bitsandbytes as b; print('gpu_check: bitsandbytes', b.__version__, 'from .whl/')" \
+    | tee -a "$LOG"
+fi
 status=0
 
 section() { echo; echo "=== $1 ===" | tee -a "$LOG"; }

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="compute dtype; the short forms bf16, fp16, fp32 also work (default: bfloat16)")
     parser.add_argument("--margin", type=float, default=None, metavar="SHARE",
                         help="share of the device a recommended row leaves free; rows inside it "
-                        "are 'tight' (default: the worst held-out prediction error, 0.08)")
+                        "are 'tight' (default: 0.06, the worst held-out error of a predicted total)")
     parser.add_argument("--overhead", default="1GiB", metavar="SIZE",
                         help="fixed non-tensor device memory: CUDA context, workspaces (default: 1GiB)")
     parser.add_argument("--slack", type=float, default=0.05,

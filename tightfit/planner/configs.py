@@ -27,7 +27,11 @@ _ALIASES = {"gemma3_text": "gemma3"}
 _MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,
                   "gemma": 8192, "gemma2": 8192, "gemma3": 131072, "phi3": 4096,
                   "mixtral": 131072, "qwen3_moe": 32768}
-_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "qwen3": 128, "qwen3_moe": 128}
+# (Qwen3-MoE's is hidden / heads: its config class has no head_dim default)
+_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "qwen3": 128}
+# num_key_value_heads where the config class defaults it to a number (else: the heads)
+_KV_HEADS = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 4,
+             "gemma": 16, "gemma2": 4, "gemma3": 4}
 _TIED = {"gemma", "gemma2", "gemma3"}
 
 
@@ -123,7 +127,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         intermediate=moe.pop("intermediate", config.get("intermediate_size")),
         layers=layers,
         heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
+        kv_heads=config.get("num_key_value_heads") or _KV_HEADS.get(family, heads),
         vocab=config["vocab_size"],
         tie_embeddings=bool(config.get("tie_word_embeddings", family in _TIED)),
         head_dim=config.get("head_dim") or _HEAD_DIM.get(family, 0),

@@ -189,3 +189,15 @@ def test_a_planned_rows_placement_reaches_train_as_prepare_options(offload: str,
     cfg = config_from_args(build_parser().parse_args(["train", *train_args(setup)]))
     assert (cfg.prepare.offload, cfg.prepare.mlp_tile) == (offload, tile)
     assert missing_train_options(setup) == ()
+
+
+def test_a_model_in_eval_mode_is_planned_and_returned_for_training(base: tuple,
+                                                                    every: tuple) -> None:
+    model, example = base
+    evaluating = copy.deepcopy(model).eval()  # as from_pretrained returns it
+    torch.manual_seed(1)
+    pm = tightfit.prepare(evaluating, example=example, device="cpu", lora=LORA,
+                          checkpoint="every")
+    assert pm.training
+    # the same plan as the model in training mode: no full logits in the head's profile
+    assert pm.tightfit_info.plan.predicted_peak_bytes == every[0]

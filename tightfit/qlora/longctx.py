@@ -70,6 +70,10 @@ def plan_activations(model: nn.Module, options: PrepareOptions, example: Any,
     """Install the checkpoint plan of ``options`` (with offload, tiles and chunk when a long
     step needs them) and return it; ``info`` (a ``PrepareInfo``) gets the tiling, the loss
     chunk and notes."""
+    # prepare returns the model to train, and a plan is profiled on a training step: in eval
+    # mode (from_pretrained's) the chunked loss also returns the full logits and the profile
+    # would price a step that training never runs
+    model.train()
     if isinstance(options.mlp_tile, int):
         info.tiling = enable_tiling(model, options.mlp_tile)
     policy = options.checkpoint

@@ -16,7 +16,7 @@ __all__ = ["DEFAULT_CGROUP_TARGET", "DEFAULT_CUDA_TARGET", "default_target", "re
 DEFAULT_CUDA_TARGET = 0.9
 #: Default target on the CPU under a memory cgroup, as a fraction of the cgroup's limit (read
 #: against RSS, which also counts shared-library pages the cgroup does not charge, so the
-#: charge stays further under the limit). Chosen by benchmarks/spike_cli.py (docs/pressure.md).
+#: charge stays further under the limit). Measured: benchmarks/results/spike_cli.md.
 DEFAULT_CGROUP_TARGET = 0.9
 
 

@@ -86,11 +86,17 @@ def is_alive(owner: Owner) -> bool:
         return True
 
 
-def _disk_bytes(folder: str) -> int:
+def disk_bytes(path: str | os.PathLike[str]) -> int:
+    """Disk bytes a file, or a folder with everything under it, holds (allocated blocks, so a
+    sparse or fallocated spill file counts what it takes, not its length); symlinks are not
+    followed."""
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return st.st_blocks * 512
     total = 0
-    for entry in os.scandir(folder):
-        if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_blocks * 512
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            total += os.lstat(os.path.join(root, name)).st_blocks * 512
     return total
 
 
@@ -118,7 +124,7 @@ def remove_stale(parent: str, prefix: str) -> list[Removed]:
             owner = read_owner(entry.path)
             if owner is None or is_alive(owner):
                 continue
-            nbytes = _disk_bytes(entry.path)
+            nbytes = disk_bytes(entry.path)
             shutil.rmtree(entry.path)
         except OSError:
             continue

@@ -24,7 +24,7 @@ import socket
 import zlib
 from pathlib import Path
 
-from tightfit.tiers.owner import Owner, Removed, is_alive, this_process
+from tightfit.tiers.owner import Owner, Removed, disk_bytes, is_alive, this_process
 
 # p<pid>.s<start time, ms>.h<crc32 of the host name>: letters and digits only, any file system
 _TOKEN = re.compile(r"p(\d+)\.s(\d+)\.h([0-9a-f]{8})")
@@ -61,12 +61,6 @@ def owner_of(name: str, prefix: str) -> Owner | None:
     return Owner(int(m.group(1)), int(m.group(2)) / 1000, host)
 
 
-def _disk_bytes(path: Path) -> int:
-    if not path.is_dir():
-        return path.lstat().st_blocks * 512
-    return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if not p.is_symlink())
-
-
 def remove_stale_temps(folder: str | os.PathLike[str], prefixes: tuple[str, ...]) -> list[Removed]:
     """Remove the temps in ``folder`` named ``prefix<token>...`` whose owner process is gone.
 
@@ -90,7 +84,7 @@ def remove_stale_temps(folder: str | os.PathLike[str], prefixes: tuple[str, ...]
             if entry.stat(follow_symlinks=False).st_uid != os.getuid() or is_alive(owner):
                 continue
             path = Path(entry.path)
-            nbytes = _disk_bytes(path)
+            nbytes = disk_bytes(path)
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(path)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -97,7 +98,23 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
     assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == "fsdp"
     assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
     assert (sharded / "memory_ranks.png").is_file()
-    assert (sharded / "checkpoints" / "step-00000002" / "dcp" / ".metadata").is_file()
+    saved = sharded / "checkpoints" / "step-00000002"
+    assert (saved / "dcp" / ".metadata").is_file()
+    listed = json.loads((saved / "checksums.json").read_text())["files"]
+    assert "trainer_state.pt" in listed and any(k.startswith("dcp/") for k in listed)
+
+    # a damaged DCP shard is refused whole (one line, exit 2), the folder left as it was
+    damaged = tmp_path / "damaged"
+    shutil.copytree(sharded, damaged)
+    shard = next(p for p in sorted((damaged / saved.relative_to(sharded) / "dcp").iterdir())
+                 if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in damaged.rglob("*") if p.is_file()}
+    assert main(["train", "--model", str(model_dir), "--resume", str(damaged),
+                 "--steps", "3", *ARGS]) == 2  # fmt: skip
+    assert {p: p.read_bytes() for p in damaged.rglob("*") if p.is_file()} == before
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

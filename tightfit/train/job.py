@@ -192,8 +192,9 @@ class TrainJob:
             torch.save({"step": step, "rng": resume.rng_state(), "history": history,
                         "world_size": self.info.world_size, "strategy": self.strategy},
                        tmp / "trainer_state.pt")  # fmt: skip
-        self.barrier()
-        if self.is_main:  # publish: rename, then LATEST, then drop older saved states
+        self.barrier()  # every rank's DCP shard and RNG file is written
+        if self.is_main:  # checksums of every file, then publish: rename, LATEST, drop older
+            resume.write_checksums(tmp)
             resume.publish_state(out, tmp, final)
         self.barrier()
         return final
@@ -218,12 +219,16 @@ class TrainJob:
                     "not sharded. Resume it without --fsdp (DDP or one process)."
                 )
             return resume.load_state(folder, model, optimizer)  # DDP: every replica loads it
-        dcp.load(folder / DCP_DIR, model, optimizer, trainable_only=True)
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        # every file verified (checksums.json) and the trainer state read before DCP changes
+        # anything: a damaged saved state is refused whole, as one process's is
+        state = resume.read_trainer_state(folder)
         rng = folder / f"rng-rank{self.info.rank}.pt"
         # The same layout continues each rank's RNG stream; another rank count cannot.
-        if state.get("world_size") == self.info.world_size and rng.is_file():
-            resume.set_rng_state(torch.load(rng, weights_only=False))
+        same_layout = state.get("world_size") == self.info.world_size and rng.is_file()
+        rank_rng = torch.load(rng, weights_only=True, map_location="cpu") if same_layout else None
+        dcp.load(folder / DCP_DIR, model, optimizer, trainable_only=True)
+        if rank_rng is not None:
+            resume.set_rng_state(rank_rng)
         return resume.SavedState(int(state["step"]), list(state["history"]), folder)
 
 

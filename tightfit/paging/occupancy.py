@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tightfit.paging.probes import CudaProbe, Probe, RSSProbe
+from tightfit.paging import probes
+from tightfit.paging.cgroup import limiting_cgroup
+from tightfit.paging.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
 from tightfit.paging.store import PageStore
 from tightfit.paging.target import resolve_target
 from tightfit.paging.watch import PressureWatch
@@ -39,11 +41,15 @@ RECENT_STEPS = 8
 
 
 def default_probe(device: torch.device) -> Probe:
-    """The probe for ``device``: :class:`CudaProbe` on CUDA, :class:`RSSProbe` on the CPU."""
+    """The probe for ``device``: :class:`CudaProbe` on CUDA; on the CPU :class:`CgroupProbe`
+    under a memory cgroup with a limit (what the kernel compares with it), else
+    :class:`RSSProbe`."""
     if device.type == "cuda":
         return CudaProbe(device)
     if device.type == "cpu":
-        return RSSProbe()
+        limit = probes.cgroup_memory_limit()  # looked up on the module: tests stand one in
+        cg = limiting_cgroup() if limit is not None else None
+        return CgroupProbe(cg) if cg is not None and cg.limit == limit else RSSProbe()
     raise ValueError(
         f"no built-in probe for {device.type!r}; pass probe=<a Probe> reading that device."
     )

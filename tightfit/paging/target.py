@@ -14,9 +14,10 @@ __all__ = ["DEFAULT_CGROUP_TARGET", "DEFAULT_CUDA_TARGET", "default_target", "re
 
 #: Default target on CUDA, as a fraction of the device's capacity.
 DEFAULT_CUDA_TARGET = 0.9
-#: Default target on the CPU under a memory cgroup, as a fraction of the cgroup's limit (read
-#: against RSS, which also counts shared-library pages the cgroup does not charge, so the
-#: charge stays further under the limit). Measured: benchmarks/results/spike_cli.md.
+#: Default target on the CPU under a memory cgroup, as a fraction of the cgroup's limit, read
+#: against what the cgroup charges less its page cache (:class:`~tightfit.paging.probes.
+#: CgroupProbe`); the rest of the limit is room for the page cache a run keeps using (the
+#: libraries' code, the spill file). Measured: benchmarks/results/spike_cli.md.
 DEFAULT_CGROUP_TARGET = 0.9
 
 
@@ -24,8 +25,8 @@ def default_target(probe: Probe) -> float | None:
     """The target ``"auto"`` means for ``probe``'s device, or ``None`` where none can act.
 
     CUDA: :data:`DEFAULT_CUDA_TARGET` of the device. The CPU: :data:`DEFAULT_CGROUP_TARGET`
-    of the capacity when the probe knows one (an :class:`~tightfit.paging.probes.RSSProbe`
-    under a memory cgroup with a limit); without one nothing says how much memory there is,
+    of the capacity when the probe knows one (a :class:`~tightfit.paging.probes.CgroupProbe`,
+    the default under a memory cgroup with a limit); without one nothing says how much memory there is,
     so ``None`` (pass bytes to turn pressure handling on).
     """
     if probe.device.type == "cuda":

@@ -130,6 +130,12 @@ def train(label: str, out: Path, model: Path, data: Path, ns: argparse.Namespace
               anon.peak, anon.setup_peak)
     if rc == 0:
         run.report = json.loads((out / "report.json").read_text())
+    if (rc == 0 or done == ns.steps) and (out / "LATEST").exists():
+        # the steps' own records, saved after the last step: also there when the run was
+        # killed afterwards, in the report's pass over the longest batch without the pieces
+        # (the defaults show the planner's prediction instead where it could pass the
+        # target; --target none has no target and runs it), so both sides of a cost pair
+        # time the same steps
         latest = (out / (out / "LATEST").read_text().strip()) / "trainer_state.pt"
         run.history = torch.load(latest, weights_only=False)["history"]
     print(f"   {label}: {run.outcome}, {done} steps, {wall:.0f} s, RSS peak "
@@ -317,14 +323,17 @@ def _cost_lines(runs: dict[str, Run], roomy: str) -> list[str]:
              "back, plus the time inside the watch's hooks; an eviction a hook asks for counts "
              "twice, so it is an upper bound) over its step time, measured inside it. On a "
              "shared machine the step-time ratio carries the other processes' noise; the "
-             "share does not.", "",
+             "share does not. Step times are the runs' own step records (saved after the last "
+             "step, so also there for a run killed after it, in the report's pass over the "
+             "longest batch without the pieces).", "",
              "| data | `--target none`: median step (s) | defaults: median step (s) | ratio | "
              "defaults: time on pressure | evictions | watch reads |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for kind in ("short", "spike"):
         auto = [r for key, r in runs.items() if key.startswith(f"cost {kind} auto")]
         none = [r for key, r in runs.items() if key.startswith(f"cost {kind} none")]
-        if not auto or not none or any(r.returncode for r in auto + none):
+        if not auto or not none or any(r.returncode for r in auto) or any(
+                len(r.history) < r.steps_done or not r.history for r in none):
             lines.append(f"| {kind} | (a run failed: see the logs) | | | | | |")
             continue
         a = _median([s for r in auto for s in step_seconds(r)])
@@ -333,6 +342,9 @@ def _cost_lines(runs: dict[str, Run], roomy: str) -> list[str]:
         ev = [r.report["paging"].get("evictions", 0) for r in auto]
         reads = [r.report["paging"].get("watch_reads", 0) for r in auto]
         name = "short examples only (no spike)" if kind == "short" else "a few long examples"
+        ends = {r.outcome for r in none}
+        if ends != {"completed"}:
+            name += f" (`--target none`: {', '.join(sorted(ends))}, in the report's pass)"
         lines.append(f"| {name} | {n:.3f} | {a:.3f} | {a / n:.3f} | "
                      f"{100 * _median(shares):.2f} % | {_median(ev):.0f} | "
                      f"{_median(reads):.0f} |")

@@ -159,8 +159,10 @@ class OccupancyControl:
     def _before_step(self, grad_bytes: int) -> None:
         store = self.store
         self._learn_holds()
-        if self._lowered():
-            _return_to_os(store)  # the spike's freed activations: out of RSS before reading it
+        if self._lowered() or not store.materialized:
+            # the spike's freed activations (or, before the first placement, what the setup
+            # freed: the plan's profile of the longest batch) out of RSS before reading it
+            _return_to_os(store)
         used = self.probe.used_bytes()
         if not store.materialized:
             # first step: place only what fits under the target (no moves yet, so no events)

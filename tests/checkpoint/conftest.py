@@ -11,9 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama(layers: int = 6, hidden: int = 32, dropout: float = 0.0, vocab: int = 128,
-               ) -> LlamaForCausalLM:
+               heads: int = 4, kv_heads: int = 2) -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads,
                       attention_dropout=dropout, max_position_embeddings=512)
     model = LlamaForCausalLM(cfg)
     model.train()

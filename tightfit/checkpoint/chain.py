@@ -33,6 +33,9 @@ class BlockCost:
             every block, so moving one block's save frees nothing) — what offloading the
             block's saved tensors moves (see ``tightfit.checkpoint.plan.offload_sizes``);
             ``None`` when not measured (then ``saved_bytes`` counts as one storage).
+        shared_saved_bytes: The part of ``saved_bytes`` that is the tensors the block was
+            passed besides its first argument (rotary tables, masks): every block and every
+            checkpoint frame holds those, so no placement of this block drops them.
     """
 
     input_bytes: int
@@ -48,6 +51,7 @@ class BlockCost:
     bwd_start_bytes: int
     bwd_peak_bytes: int
     saved_sizes: tuple[int, ...] | None = None
+    shared_saved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Profile:
         step_s: Forward + backward time of the step.
         peak_bytes: Measured peak of the whole step.
         device: Where it was measured.
+        frame_bytes: Storages the blocks are passed besides their first argument that no
+            block saves (position ids): a checkpoint frame records its blocks' calls for the
+            replay, so in a plan with one they stay alive until that frame's backward.
     """
 
     blocks: tuple[BlockCost, ...]
@@ -73,3 +80,4 @@ class Profile:
     step_s: float
     peak_bytes: int
     device: str
+    frame_bytes: int = 0

@@ -22,10 +22,22 @@ are prefetched when the next segment's backward starts (one segment ahead). So t
 after an offloaded one sees ``S_before - offloaded``. The mechanism
 (:mod:`tightfit.checkpoint.offload`) keeps exactly that schedule.
 
+Storages the blocks are passed besides their first argument (rotary tables, position ids,
+masks: the same tensors for every block) are never dropped: a stored block that saves them
+keeps them, and a checkpoint frame records its blocks' calls for the replay, which keeps
+them too. So a checkpointed block's savings leave out the ones it saves
+(``BlockCost.shared_saved_bytes``: the profile credits the first block that saves the rotary
+tables with them), and the first checkpoint frame of a plan keeps the ones no block saves
+(``Profile.frame_bytes``) from its segment on, until its backward — after every later
+segment's. They are charged from that segment's peak on; in the chain's forward they were
+alive in the profiled step too, so there the charge is high by those bytes (a few bytes a
+token: the position ids), exact in the tail and the backward.
+
 Each segment therefore has a constant ``c`` with the constraint
 ``c - (S_before - offloaded_prev) ≤ budget``, where ``S_before`` is the savings of the
-segments before it and ``offloaded_prev`` the bytes the previous segment offloaded. That is
-what makes the solver (:mod:`tightfit.checkpoint.solver`) an exact DP.
+segments before it (less ``frame_bytes`` once a frame came) and ``offloaded_prev`` the bytes
+the previous segment offloaded. That is what makes the solver
+(:mod:`tightfit.checkpoint.solver`) an exact DP (with one flag: has a frame come yet).
 
 Time: a checkpointed segment costs its blocks' forward time (the recompute). Moving a
 segment's ``B`` offloaded bytes costs ``m = latency + B / bandwidth`` each way (both measured
@@ -67,6 +79,8 @@ class SegmentCost:
         forward_s: Its forward time (what the previous segment's write hides behind).
         backward_s: Its backward time, recompute included (what the previous segment's
             prefetch hides behind).
+        frame: It is a checkpoint frame (it records its blocks' calls until its backward,
+            so the profile's ``frame_bytes`` are alive from it on).
     """
 
     peak_const: int
@@ -76,6 +90,7 @@ class SegmentCost:
     host_bytes: int = 0
     forward_s: float = 0.0
     backward_s: float = 0.0
+    frame: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,13 +136,15 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind,
         b = bl[m]
         kept = b.selective_bytes if sel else 0
         extra = b.selective_unsaved_bytes if sel else 0  # kept although autograd wouldn't
-        # the frame holds the input through the segment's forward, offloaded or not
-        d = b.saved_bytes - kept - (first.input_bytes if m == start else 0)
+        # the frame holds the input through the segment's forward, offloaded or not; the
+        # block's other arguments it saves stay (later blocks and the frame hold them)
+        own = b.saved_bytes - b.shared_saved_bytes
+        d = own - kept - (first.input_bytes if m == start else 0)
         peak = max(peak, b.fwd_peak_bytes - dropped + extra, b.bwd_peak_bytes + kept_input + extra)
         # a selective recompute takes the kept outputs from torch's cache, not new memory
         recompute_peak = max(recompute_peak,
                              recomputed + b.fwd_peak_bytes - b.fwd_start_bytes - kept)
-        recomputed += b.saved_bytes - (kept - extra)
+        recomputed += own - (kept - extra)
         dropped += d
         recompute_s += b.forward_s - (b.selective_forward_s if sel else 0.0)
     last = bl[stop - 1]
@@ -135,7 +152,7 @@ def segment_cost(prof: Profile, start: int, stop: int, kind: SegmentKind,
     moved = sum(offload_sizes(prof, Segment(start, stop, kind), min_bytes))
     recompute_s = max(recompute_s, 0.0)
     return SegmentCost(peak, dropped + moved, recompute_s, moved, aligned(moved) if moved else 0,
-                       fwd, bwd + recompute_s)
+                       fwd, bwd + recompute_s, frame=True)
 
 
 def tail_cost(prof: Profile) -> SegmentCost:
@@ -169,8 +186,12 @@ def predict(prof: Profile, segments: Sequence[Segment], tier: OffloadTier | None
     recompute = move = 0.0
     host = 0
     prev: SegmentCost | None = None
+    framed = False
     for seg in segments:
         c = segment_cost(prof, seg.start, seg.stop, seg.kind, min_bytes)
+        if c.frame and not framed:  # the first frame keeps the blocks' unsaved arguments
+            savings -= prof.frame_bytes
+            framed = True
         held = prev.offload_bytes if prev is not None else 0
         peak = max(peak, c.peak_const - (savings - held))
         if prev is not None and tier is not None:

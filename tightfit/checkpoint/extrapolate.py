@@ -123,6 +123,7 @@ def extrapolate(p1: Profile, t1: int, p2: Profile, t2: int, t: int) -> Profile:
         tail_peak_bytes=_affine(p1.tail_peak_bytes, p2.tail_peak_bytes, t1, t2, t),
         tail_saved_bytes=_affine(p1.tail_saved_bytes, p2.tail_saved_bytes, t1, t2, t),
         peak_bytes=_affine(p1.peak_bytes, p2.peak_bytes, t1, t2, t),
+        frame_bytes=_affine(p1.frame_bytes, p2.frame_bytes, t1, t2, t),
         tail_forward_s=_time(p1.tail_forward_s, p2.tail_forward_s, t1, t2, t),
         step_s=_time(p1.step_s, p2.step_s, t1, t2, t),
     )

@@ -147,7 +147,7 @@ def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
         share = fields.pop("kept_share")
         costs.append(BlockCost(forward_s=times[i], selective_forward_s=share * times[i], **fields))
     return Profile(tuple(costs), mem["prefix_peak"], mem["tail_peak"], mem["tail_saved"], tail_s,
-                   step_s, mem["peak"], str(device))
+                   step_s, mem["peak"], str(device), frame_bytes=mem["frame"])
 
 
 class _MemoryHooks:
@@ -165,6 +165,10 @@ class _MemoryHooks:
         self.skip = skip  # parameter and buffer storages: saved, but not activations
         self.inputs: list[tuple[int, int]] = [(0, 0)] * n  # (ptr, nbytes) of each block's input
         self.shared: list[set[int]] = [set() for _ in range(n)]  # its other tensor arguments
+        # ptr -> bytes of the storages blocks are passed besides their first argument (the
+        # first block's input excluded: the chain's input is charged as a segment input)
+        self.others: list[dict[int, int]] = [{} for _ in range(n)]
+        self.outside: set[int] = set()  # storages alive before the step (the example's)
         self.packs = [0] * (n + 2)  # tensors saved per block (index -1 = prefix, n = tail)
         self.fwd: dict[int, int] = {}  # block -> live bytes when its forward starts
         self.bwd: dict[int, int] = {}  # block -> live bytes when its backward starts
@@ -186,6 +190,11 @@ class _MemoryHooks:
             if x is not None:
                 self.inputs[i] = (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
             self.shared[i] = shared_storages((args, kwargs), first_block=i == 0)
+            others = shared_storages((args, kwargs))
+            self.others[i] = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                              for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                              and t.layout == torch.strided
+                              and t.untyped_storage().data_ptr() in others}
         return hook
 
     def post(self, i: int):
@@ -211,6 +220,9 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
     skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     mt = MemoryTracker(device)
     hooks = _MemoryHooks(n, skip, mt)
+    # the example's own tensors (a position_ids the caller passes) are alive anyway
+    hooks.outside = {t.untyped_storage().data_ptr() for t in tree_leaves(example)
+                     if isinstance(t, torch.Tensor)}
     handles = []
     with mt:
         for i, b in enumerate(chain):
@@ -263,13 +275,16 @@ def _memory_summary(hooks: _MemoryHooks, recorder: _OpRecorder,
             "bwd_peak_bytes": bwd_vals[i][1],
             "saved_sizes": tuple(sorted((nb for p, nb in mine.items()
                                          if p not in hooks.shared[i]), reverse=True)),
+            "shared_saved_bytes": sum(nb for p, nb in mine.items() if p in hooks.others[i]),
         })
+    others = {p: nb for o in hooks.others for p, nb in o.items()}
     return {
         "blocks": per_block,
         "prefix_peak": peaks.get("forward", 0),
         "tail_peak": tail_peak,
         "tail_saved": sum(nb for b, nb in saved.values() if b == n),
         "peak": mt.peak_bytes,
+        "frame": sum(nb for p, nb in others.items() if p not in saved and p not in hooks.outside),
     }
 
 

@@ -12,7 +12,8 @@ previous segment offloaded (still on the device during this one; fewer is better
 the host budget, on the host bytes so far (fewer is better); time adds up, a move's charged
 once the segment after it is known. So a DP over block boundaries that keeps, per boundary,
 the Pareto front of (time, savings, previous offload, host bytes) over feasible prefixes
-finds the optimum. The smallest feasible peak comes from the same DP with the running peak
+finds the optimum. One flag more: whether a checkpoint frame came yet (the first one keeps
+the blocks' unsaved arguments, ``Profile.frame_bytes``, from then on). The smallest feasible peak comes from the same DP with the running peak
 in place of time.
 """
 
@@ -119,11 +120,11 @@ class Tables:
 class _Entry:
     """A feasible plan of the chain's first blocks, on a DP front."""
 
-    __slots__ = ("time", "savings", "held", "host", "peak", "last", "parent", "segment")
+    __slots__ = ("time", "savings", "held", "host", "peak", "last", "parent", "segment", "framed")
 
     def __init__(self, time: float, savings: int, held: int, host: int, peak: int,
                  last: SegmentCost | None, parent: _Entry | None, segment: Segment | None,
-                 ) -> None:
+                 framed: bool = False) -> None:
         self.time = time  # recompute + moves charged so far
         self.savings = savings
         self.held = held  # bytes the last segment offloaded (on the device during the next)
@@ -131,6 +132,7 @@ class _Entry:
         self.peak = peak
         self.last = last  # the last segment's cost, when it offloaded (its move is due)
         self.parent, self.segment = parent, segment
+        self.framed = framed  # a checkpoint frame came: savings are net of frame_bytes
 
 
 def _search(tables: Tables, budget: int | None, host_budget: int | None,
@@ -141,27 +143,31 @@ def _search(tables: Tables, budget: int | None, host_budget: int | None,
     if budget is None or prof.prefix_peak_bytes <= budget:
         fronts[0] = [_Entry(0.0, 0, 0, 0, prof.prefix_peak_bytes, None, None, None)]
     host_counts = host_budget is not None and host_budget < tables.most_host
+    frame = prof.frame_bytes
     limit = budget if budget is not None else 1 << 62
     host_limit = host_budget if host_budget is not None else 1 << 62
     for j in range(n):
         front = fronts[j]
         if budget is not None:
             for e in front:  # clamp in place: e's successors are not made yet
-                e.savings = min(e.savings, tables.enough(j, budget, e.held))
-        fronts[j] = front = _prune(front, by, host_counts)
+                e.savings = min(e.savings, tables.enough(j, budget, e.held)
+                                + (0 if e.framed else frame))
+        fronts[j] = front = _prune(front, by, host_counts, frame)
         for e in front:
-            base = e.savings - e.held
             for k, seg, c in tables.starting[j]:
-                peak = c.peak_const - base
+                first = c.frame and not e.framed
+                savings = e.savings - frame if first else e.savings
+                peak = c.peak_const - (savings - e.held)
                 host = e.host + c.host_bytes
                 if peak > limit or host > host_limit:
                     continue
                 time = e.time + c.recompute_s
                 if e.last is not None:
                     time += tables.move(e.last, c)
-                fronts[k].append(_Entry(time, e.savings + c.savings, c.offload_bytes, host,
+                fronts[k].append(_Entry(time, savings + c.savings, c.offload_bytes, host,
                                         peak if peak > e.peak else e.peak,
-                                        c if c.offload_bytes else None, e, seg))
+                                        c if c.offload_bytes else None, e, seg,
+                                        e.framed or c.frame))
     out = []
     for e in fronts[n]:
         peak = max(e.peak, tables.tail.peak_const - (e.savings - e.held))
@@ -170,28 +176,35 @@ def _search(tables: Tables, budget: int | None, host_budget: int | None,
     return out
 
 
-def _prune(front: list[_Entry], by: str, host_counts: bool) -> list[_Entry]:
+def _prune(front: list[_Entry], by: str, host_counts: bool, frame: int = 0) -> list[_Entry]:
     """Keep the Pareto front: drop entries another beats or equals on every count.
 
     Host bytes count only when the host budget can bind (``host_counts``); otherwise they
-    only order equal entries (the one with fewer is kept).
+    only order equal entries (the one with fewer is kept). An entry no frame came to yet
+    still owes ``frame`` bytes of savings to the first one that comes: it beats a framed
+    entry only with that much savings to spare.
     """
     first = (lambda e: e.time) if by == "time" else (lambda e: e.peak)
     front.sort(key=lambda e: (first(e), -e.savings, e.held, e.host))
     out: list[_Entry] = []
+
+    def beats(o: _Entry, e: _Entry) -> bool:  # o's savings are enough for e's every future
+        return o.savings - (frame if e.framed and not o.framed else 0) >= e.savings
+
     if host_counts:
         for e in front:
-            if not any(o.savings >= e.savings and o.held <= e.held and o.host <= e.host
-                       for o in out):
+            if not any(beats(o, e) and o.held <= e.held and o.host <= e.host for o in out):
                 out.append(e)
     else:
-        # most savings kept so far per bytes held (few distinct values: block sizes); an entry
-        # is beaten by one with no more held and at least its savings
-        best: dict[int, int] = {}
+        # most savings kept so far per (bytes held, framed) (few distinct values: block
+        # sizes); an entry is beaten by one with no more held and savings enough
+        best: dict[tuple[int, bool], int] = {}
         for e in front:
-            if all(s < e.savings for h, s in best.items() if h <= e.held):
+            if not any(s - (frame if e.framed and not f else 0) >= e.savings
+                       for (h, f), s in best.items() if h <= e.held):
                 out.append(e)
-                best[e.held] = max(best.get(e.held, e.savings), e.savings)
+                key = (e.held, e.framed)
+                best[key] = max(best.get(key, e.savings), e.savings)
     if len(out) > _FRONT_CAP:  # thin evenly, keeping both ends
         step = len(out) / _FRONT_CAP
         out = [out[int(i * step)] for i in range(_FRONT_CAP - 1)] + [out[-1]]

@@ -141,8 +141,7 @@ def optimizer_for(
             the memory cgroup's limit on the CPU, and off on a CPU without a limit; a float is
             a fraction of capacity, an int bytes; ``None`` turns pressure handling off.
             ``"adamw"`` has no pages to move: it takes only ``"auto"`` or ``None``.
-        probe: Reads the device's usage (default: CUDA's allocator; on the CPU what the memory
-            cgroup charges less its page cache under a limit, else the RSS).
+        probe: Reads the device's usage (default_probe: CUDA's allocator, the CPU's cgroup/RSS).
         watch: With a target, hook ``model``'s blocks (:meth:`PagedOptimizer.watch`) so pages
             leave before a spike passes it; the hooks fire under any loop that calls the
             model, Hugging Face's ``Trainer`` included.

@@ -21,7 +21,6 @@ can count what watching cost.
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import weakref
 from abc import ABC, abstractmethod
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tightfit.paging.cgroup import MemoryCgroup, limiting_cgroup, stat_value
+from tightfit.paging.highwater import rss_high_water
 
 __all__ = ["CgroupProbe", "CudaProbe", "FakeProbe", "Probe", "RSSProbe", "cgroup_memory_limit"]
 
@@ -212,22 +212,8 @@ class RSSProbe(Probe):
 
     @staticmethod
     def process_peak_bytes() -> int:
-        """The operating system's high-water mark of this process's RSS (whole lifetime).
-
-        On Linux ``VmHWM`` of ``/proc/self/status`` (~30 µs): ``getrusage``'s ``ru_maxrss``
-        also folds in the peak of the process that started this one (a vfork'd child keeps
-        its parent's across ``exec``), so under a large parent it would never rise.
-        """
-        if sys.platform.startswith("linux"):
-            try:
-                with open("/proc/self/status", "rb") as f:
-                    status = f.read()
-                at = status.index(b"VmHWM:")
-                return int(status[at + 6:status.index(b"kB", at)]) * 1024
-            except (OSError, ValueError):
-                pass
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak) * (1 if sys.platform == "darwin" else 1024)
+        """The operating system's high-water mark of this process's RSS (whole lifetime)."""
+        return rss_high_water()
 
 
 def cgroup_memory_limit() -> int | None:

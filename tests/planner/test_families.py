@@ -172,8 +172,10 @@ def test_family_memory_model_against_a_measured_step(family: str) -> None:
     on a small config of the family: the counted pieces (weights, constants, LoRA, grads,
     optimizer) within 1 % of the measured step; the activation and head + loss peaks never
     under-predicted by more than 2 % (what the margin covers) and over-predicted by at most
-    15 % without checkpointing (Mixtral here: +11 %), 40 % with every layer recomputed
-    (Phi-3, MoE: see docs/plan.md, "Families")."""
+    15 % without checkpointing (Mixtral here: +11 %). With every layer recomputed, 10 %
+    (measured: within +3 %); the MoE families' recomputed layer peaks inside the experts'
+    recomputed forward, which the planner does not list yet: 30 % there (measured: Mixtral
+    +26.5 %, Qwen3-MoE +15.7 %; docs/plan.md, "Families")."""
     shape = SMALL[family]
     setup = TrainSetup(seq_len=32, batch=2, lora_r=8, adapter_dtype="bfloat16",
                        optimizer="paged_adamw", loss_chunk_tokens=16)
@@ -184,4 +186,34 @@ def test_family_memory_model_against_a_measured_step(family: str) -> None:
         else:
             assert relative_error(predicted, measured) <= 0.01, (piece, predicted, measured)
     (_, predicted, measured), = [r for r in res["every"] if r[0] == "activations"]
-    assert 0.98 * measured <= predicted <= 1.40 * measured
+    over = 1.30 if shape.is_moe else 1.10
+    assert 0.98 * measured <= predicted <= over * measured, (predicted, measured)
+
+
+def test_recomputed_layer_backward_moments() -> None:
+    """The moments of a recomputed layer's backward (NF4, bf16), counted by hand: the down
+    projection's for Llama, the fused gate_up's for Phi-3 (twice the weight to dequantize,
+    once the MLP's saved tensors are gone), the post-MLP norm's for Gemma 2."""
+    from tightfit.planner.activations import (
+        GEMMA_NORM_BWD,
+        layer_backward_bytes,
+        layer_saved_bytes,
+        mlp_saved_bytes,
+    )
+
+    setup = TrainSetup(seq_len=32, batch=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
+                       adapter_dtype="bfloat16")
+    t, d, r = setup.tokens, setup.d, setup.lora_r
+    llama = SMALL["llama"]
+    h, i = llama.hidden, llama.intermediate
+    # down: the adapter's kept input (T·i·d) and hidden (T·r·d) freed; its input gradient
+    # (T·i·d) beside the weight dequantized to fp32 and cast (i·h·6)
+    down = -(t * i * d + t * r * d) + t * i * d + i * h * 6
+    assert layer_backward_bytes(llama, setup, 1) - layer_saved_bytes(llama, setup, layer=1) == down
+    phi3 = SMALL["phi3"]
+    gate_up = (-mlp_saved_bytes(phi3, setup, t) + 2 * t * i * d + t * h * d
+               + 2 * i * h * 6)
+    assert layer_backward_bytes(phi3, setup, 1) - layer_saved_bytes(phi3, setup, layer=1) == gate_up
+    g2 = SMALL["gemma2"]
+    norm = GEMMA_NORM_BWD * t * g2.hidden * 4
+    assert layer_backward_bytes(g2, setup, 1) - layer_saved_bytes(g2, setup, layer=1) >= norm

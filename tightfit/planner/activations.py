@@ -205,6 +205,100 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     return int(max(moments))
 
 
+# Live fp32 [T, h] tensors at the peak of a Gemma RMSNorm's backward: its output gradient
+# in fp32, that times (1 + w), and the rsqrt's gradient chain (pow, div, mul) — listed on a
+# CPU step (gemma2, bf16), not fitted: the post-MLP norm runs backward first, with all the
+# layer saved still alive.
+GEMMA_NORM_BWD = 5
+
+
+def _base_input_grad(setup: TrainSetup, fan_in: int, fan_out: int, tokens: int) -> int:
+    """A frozen linear's input-gradient moment: a 4-bit weight dequantized to fp32 and, in
+    16-bit compute, cast (in·out·(4 + d)), or the cast weight beside the input gradient
+    (in·out·d + tokens·in·d), whichever is larger; unquantized, the gradient alone."""
+    d, w = setup.d, fan_in * fan_out
+    if setup.quant == "none":
+        return tokens * fan_in * d
+    deq = w * 4 + (w * d if d != 4 else 0)
+    return max(deq, w * d + tokens * fan_in * d)
+
+
+def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> int:
+    """One layer's bytes at the peak of its backward: what it saved and still holds, and
+    the gradients in flight (the layer's gradient input, T·h·d, not included).
+
+    Counted from the order backward runs a layer in (listed with the tracker, per family):
+
+    * the down projection first: its adapter's backward has freed the input it kept (the
+      gated product) and its r-wide hidden by the time the base weight is dequantized,
+      beside the adapter branch's input gradient (T·i·d);
+    * then gate/up: the MLP's saved tensors are gone, the gradients of the gate and up
+      outputs (2·T·i·d) and the adapters' input gradient (T·h·d) are in flight beside one
+      dequantized weight — Phi-3's fused gate_up is twice as large, and peaks here;
+    * with four norms (Gemma 2/3), the post-MLP norm's backward before both, with all of
+      the layer saved still alive (:data:`GEMMA_NORM_BWD` fp32 tensors of T·h);
+    * eager attention: its scores' moment beside all of the layer saved;
+    * the recompute's last op before all these: the down projection's output and its
+      adapter's two outputs and the residual (T·h·(2d + 2a)) beside all of the layer saved.
+
+    Listed and checked on NF4 bases with adapters in the compute dtype (the QLoRA recipe's
+    bf16, or fp32 throughout) only. MoE layers, unquantized and int8 bases, tiled MLPs and
+    fp32 adapters in 16-bit compute (where the recompute's forward of the down projection
+    peaks, with fp32 gradients from outside the layer in flight: listed, not yet counted)
+    keep the calibrated transients of :func:`backward_transient_bytes` and (dense layers)
+    the quantized base's extra beside all of the layer saved.
+    """
+    saved = layer_saved_bytes(shape, setup, layer=layer)
+    if (shape.is_moe or setup.quant != "nf4" or setup.mlp_tile is not None
+            or setup.a != setup.d):
+        # the quantized extra was calibrated on dense layers; a recomputed MoE layer peaks
+        # inside its experts' recomputed forward, where the listing shows no such tensor
+        extra = 0 if shape.is_moe else quantized_backward_extra_bytes(shape, setup)
+        return saved + backward_transient_bytes(shape, setup) + extra
+    t, h, i, d = setup.tokens, shape.hidden, shape.intermediate, setup.d
+    g = max(setup.a, d)  # an adapter branch's input gradient, in the wider of the two
+    down_kept, down = 0, _base_input_grad(setup, i, h, t)
+    if setup.adapts("down_proj"):
+        down_kept = _adapter_input_bytes(setup, ("down_proj",), i, True, t) + t * setup.lora_r * setup.a
+        down += t * i * g
+    gate_up = 2 * t * i * d + _base_input_grad(setup, h, (2 if shape.traits.fused else 1) * i, t)
+    if any(setup.adapts(n) for n in ("gate_proj", "up_proj", "gate_up_proj")):
+        gate_up += t * h * g
+    # the recompute's last op: the down projection's output beside all the layer saved (its
+    # adapter's output and the scaled copy in the adapter dtype) and the residual the
+    # layer's forward still holds
+    last = t * h * (2 * d + (2 * setup.a if setup.adapts("down_proj") else 0))
+    moments = [saved - down_kept + down, saved - mlp_saved_bytes(shape, setup, t) + gate_up,
+               saved + last]
+    if shape.traits.norms == 4:
+        moments.append(saved + GEMMA_NORM_BWD * t * h * 4)
+    if shape.eager_attention:
+        h16 = BWD_H16 * t * h * 4 if d != 4 else 0
+        moments.append(saved + eager_backward_bytes(shape, setup) + h16)
+    return int(max(moments))
+
+
+def rotary_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The shared rotary cos/sin: one pair per attention type where they differ (Gemma 3's
+    local and global layers)."""
+    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
+    return kinds * 2 * setup.seq_len * shape.head_dim * setup.d
+
+
+def recompute_inputs_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """What a recomputed layer's other inputs hold through backward (the checkpoint keeps
+    them for the recompute): the rotary cos/sin and the masks the model built — eager
+    attention's B·S² mask in the compute dtype per attention type, else a boolean S² one
+    when some layer is masked (SDPA skips the mask in the others)."""
+    s = setup.seq_len
+    if shape.eager_attention:
+        kinds = len({shape.sliding(i) for i in range(shape.layers)})
+        masks = kinds * setup.batch * s * s * setup.d
+    else:
+        masks = s * s if any(shape.masked(i, s) for i in range(shape.layers)) else 0
+    return rotary_bytes(shape, setup) + masks
+
+
 def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Peak bytes of the LM head + cross-entropy during forward + backward.
 
@@ -244,8 +338,5 @@ def quantized_backward_extra_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
 
 def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:
-    """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin (one
-    pair per attention type where they differ: Gemma 3's local and global layers)."""
-    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
-    rotary = kinds * 2 * setup.seq_len * shape.head_dim * setup.d
-    return norm_bytes(shape, setup, 1) + rotary
+    """The final RMSNorm's saved input (fp32) and rsqrt, plus the shared rotary cos/sin."""
+    return norm_bytes(shape, setup, 1) + rotary_bytes(shape, setup)

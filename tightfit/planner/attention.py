@@ -11,7 +11,8 @@ batch, S the sequence (T = B·S tokens), H heads, KV kv heads.
 * SDPA with a mask (a sliding-window layer once S > window): transformers builds a boolean
   [B, 1, S, S] mask, SDPA converts it to an additive one in the compute dtype and keeps it
   for backward (B·S²·d, in every such layer), and under GQA it repeats k and v to the query
-  heads first (it passes ``enable_gqa`` only without a mask): + 2·T·(q − kv)·d.
+  heads first (it passes ``enable_gqa`` only without a mask): + 2·T·(q − kv)·d (nothing with
+  one kv head, where the repeat is a view).
 * eager attention (Gemma 2: SDPA has no attention soft-cap): the scores after the soft-cap's
   tanh (d), their fp32 softmax (4) and, below fp32, the softmax cast back (d) — B·H·S² each —
   with q and k, v repeated to the query heads; the output is not saved (the o_proj input is
@@ -54,6 +55,10 @@ def mask_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
 
 def _repeat_kv_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    # with one kv head the repeat is a view (the expanded size-1 head dimension merges
+    # without a copy), so nothing more is saved
+    if shape.kv_heads == 1:
+        return 0
     return 2 * setup.tokens * (shape.q_size - shape.kv_size) * setup.d
 
 

@@ -18,9 +18,11 @@ from tightfit.planner.activations import (
     backward_transient_bytes,
     final_norm_bytes,
     head_loss_bytes,
+    layer_backward_bytes,
     layer_input_bytes,
     layer_saved_bytes,
     quantized_backward_extra_bytes,
+    recompute_inputs_bytes,
 )
 from tightfit.planner.setup import OFFLOADED, RECOMPUTED
 from tightfit.planner.work import recompute_fraction
@@ -38,11 +40,13 @@ class _Terms:
     """The bytes every plan's peak is made of, for one (shape, setup): computed once."""
 
     prefix: tuple[int, ...]  # prefix[i]: what layers 0..i-1 save (layer types differ: Gemma)
+    backward: tuple[int, ...]  # backward[i]: layer i at the peak of its backward, recomputed
     x: int  # one layer input
     dup: int  # fp32: a checkpointed segment's first norm saves its input, a view of x
     head: int
     trans: int
     extra: int  # the quantized base's extra through the layers' backward
+    inputs: int  # a recomputed layer's other inputs (rotary, masks), kept for the recompute
     final_norm: int
     norm_grads: int  # the final norm's backward: the hidden gradient + two fp32 gradients
 
@@ -55,20 +59,24 @@ class _Terms:
 def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
     t, h = setup.tokens, shape.hidden
     # layers of one attention type save the same: compute each type once
-    by_kind: dict[tuple[bool, bool], int] = {}
-    prefix = [0]
+    by_kind: dict[tuple[bool, bool], tuple[int, int]] = {}
+    prefix, backward = [0], []
     for i in range(shape.layers):
         kind = (i == 0, shape.masked(i, setup.seq_len))
         if kind not in by_kind:
-            by_kind[kind] = layer_saved_bytes(shape, setup, layer=i)
-        prefix.append(prefix[-1] + by_kind[kind])
+            by_kind[kind] = (layer_saved_bytes(shape, setup, layer=i),
+                             layer_backward_bytes(shape, setup, i))
+        prefix.append(prefix[-1] + by_kind[kind][0])
+        backward.append(by_kind[kind][1])
     return _Terms(
         prefix=tuple(prefix),
+        backward=tuple(backward),
         x=layer_input_bytes(shape, setup),
         dup=t * h * 4 if setup.d == 4 else 0,
         head=head_loss_bytes(shape, setup),
         trans=backward_transient_bytes(shape, setup),
         extra=quantized_backward_extra_bytes(shape, setup),
+        inputs=recompute_inputs_bytes(shape, setup),
         final_norm=final_norm_bytes(shape, setup),
         norm_grads=t * h * setup.d + 2 * t * h * 4,
     )
@@ -104,18 +112,23 @@ def _segment_backward(setup: TrainSetup, terms: _Terms, seg: Segment, before: in
                       prefetch: int) -> int:
     """Decoder bytes at the peak of ``seg``'s backward.
 
-    ``before``: device bytes the segments before it keep (+ the quantized extra);
-    ``prefetch``: the previous segment's first bytes, brought back from the host meanwhile.
+    ``before``: device bytes the segments before it keep; ``prefetch``: the previous
+    segment's first bytes, brought back from the host meanwhile.
+
+    A recomputed segment peaks in its last layer's backward, with the layers before it in
+    the segment saved whole (:func:`~tightfit.planner.activations.layer_backward_bytes`,
+    counted from the order backward frees them); a stored one keeps the calibrated
+    transients and the quantized base's extra on top of all it saved.
     """
     s, e, x = seg.start, seg.stop, terms.x
     if seg.kind in RECOMPUTED:
-        own = terms.saved(s, e) - (terms.dup if s > 0 else 0)
+        own = terms.saved(s, e - 1) + terms.backward[e - 1] - (terms.dup if s > 0 else 0)
         if setup.d != 4:
             own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive
-        # its input (back on the device), its recomputed saved tensors, the gradients
-        return before + x + own + prefetch + terms.trans + x
+        # its input (back on the device), its recomputed tensors, the output's gradient
+        return before + x + own + prefetch + x + terms.inputs
     # stored, on the device or fetched back whole (stored_offload): its saved tensors
-    return before + terms.saved(s, e) + prefetch + terms.trans + x
+    return before + terms.extra + terms.saved(s, e) + prefetch + terms.trans + x
 
 
 def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...],
@@ -164,7 +177,7 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
     before = 0
     for j, seg in enumerate(segments):
         prefetch = ahead[j - 1] if j > 0 else 0
-        layers = _segment_backward(setup, t, seg, before + t.extra, prefetch)
+        layers = _segment_backward(setup, t, seg, before, prefetch)
         if layers > best_layers + best_head:
             best_layers, best_head = layers, 0
         before += on_device[j]

@@ -234,8 +234,8 @@ def step_seconds(run: Run) -> list[float]:
 
 def pressure_share(run: Run) -> float:
     """Time on pressure over step time: the pager's (reads before a step, evictions,
-    restores, writing streamed pages back) plus the watch hooks' own (an upper bound: an
-    eviction a hook asked for is counted in both)."""
+    restores, writing streamed pages back) plus the watch hooks' own (``watch_seconds``
+    leaves out the evictions a hook asked for: the pager's time has them)."""
     paging = run.report.get("paging", {})
     total = sum(h["seconds"] for h in run.history)
     spent = paging.get("pressure_seconds", 0.0) + paging.get("watch_seconds", 0.0)
@@ -320,8 +320,8 @@ def _cost_lines(runs: dict[str, Run], roomy: str) -> list[str]:
              "0.9 of it, which the spikes pass). Runs alternate; median step time over the "
              "steps after the first, of all repeats; the share is the run's own time on "
              "pressure (the pager's probe reads, evictions, restores, writing streamed pages "
-             "back, plus the time inside the watch's hooks; an eviction a hook asks for counts "
-             "twice, so it is an upper bound) over its step time, measured inside it. On a "
+             "back, plus the watch's hooks' own time, less the evictions they asked for, "
+             "which the pager's time already has) over its step time, measured inside it. On a "
              "shared machine the step-time ratio carries the other processes' noise; the "
              "share does not. Step times are the runs' own step records (saved after the last "
              "step, so also there for a run killed after it, in the report's pass over the "

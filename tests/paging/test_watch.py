@@ -204,6 +204,28 @@ def test_rate_limit_skips_readings_only_while_headroom_is_plentiful() -> None:
     assert watch.stats.hook_calls == 21  # removed hooks no longer run
 
 
+def test_the_callbacks_time_is_kept_apart_from_the_hooks_own() -> None:
+    model = Blocks(n=2)
+    level = {"used": 10}
+    probe = FakeProbe(1000, [lambda: level["used"]])
+    calls: list[int] = []
+
+    def relieve(need: int, reason: str) -> int:
+        calls.append(need)
+        level["used"] -= need
+        return need
+
+    watch = PressureWatch(model, probe, 900, relieve, margin_bytes=50, min_interval_s=0)
+    model(torch.randn(2, 4, 32)).sum().backward()
+    assert not calls and watch.stats.callback_s == 0.0  # nothing asked: no callback time
+    level["used"] = 880  # 20 bytes under the target: the next check asks for 30
+    model(torch.randn(2, 4, 32)).sum().backward()
+    assert calls and calls[0] == 30
+    # the pager counts the callback (its eviction) as its own time; the hooks' own is the rest
+    assert 0.0 < watch.stats.callback_s < watch.stats.time_s
+    watch.remove()
+
+
 def test_adaptive_margin_learns_growth_between_checks() -> None:
     model = Blocks(n=3)
     sink: dict = {"mt": None}

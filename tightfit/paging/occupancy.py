@@ -285,7 +285,8 @@ class OccupancyControl:
         if live:
             out["watch_reads"] = sum(w.stats.reads for w in live)
             out["watch_triggers"] = sum(w.stats.triggers for w in live)
-            out["watch_seconds"] = sum(w.stats.time_s for w in live)
+            # the hooks' own time: the evictions they asked for are in pressure_seconds
+            out["watch_seconds"] = sum(w.stats.time_s - w.stats.callback_s for w in live)
         return out
 
     def _chunk_bytes(self) -> int:

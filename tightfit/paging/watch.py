@@ -72,6 +72,8 @@ class WatchStats:
             in between when it has one: see ``Probe.interval_peak_bytes``).
         time_s: Wall time spent inside the hooks (installing the gradient hooks included),
             callbacks included.
+        callback_s: The part of ``time_s`` spent in the callback (the evictions it asked
+            for, which the pager also counts as its own time on pressure).
     """
 
     hook_calls: int = 0
@@ -80,6 +82,7 @@ class WatchStats:
     freed_bytes: int = 0
     max_growth_bytes: int = 0
     time_s: float = 0.0
+    callback_s: float = 0.0
 
 
 class PressureWatch:
@@ -249,7 +252,9 @@ class PressureWatch:
         need = -room
         if need > 0:
             st.triggers += 1
+            t_cb = time.perf_counter()
             freed = int(self.on_pressure(int(need), reason))
+            st.callback_s += time.perf_counter() - t_cb
             st.freed_bytes += freed
             self._step_freed += freed
             used -= freed

@@ -8,7 +8,9 @@ before the block's backward runs) — that read a :class:`~tightfit.paging.probe
 back with the bytes to free when the headroom under the target falls below a margin, i.e.
 *before* the next block allocates.
 
-Reading a probe costs a system call (~60 µs for RSS on a small VM), so checks are rate-limited:
+Reading a probe costs system calls (on the CPU ~25-70 µs for the cgroup or RSS on a small,
+loaded VM, plus ~26 µs for the high-water mark; measured in docs/pressure.md), so checks are
+rate-limited:
 at most one per ``min_interval_s`` while the last reading left plenty of headroom, every hook
 call once it did not. Without pressure the cost is therefore bounded by
 ``read_cost / min_interval_s`` plus a few microseconds of Python per hook.

@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Probe": "tightfit.paging.probes",
     "CudaProbe": "tightfit.paging.probes",
     "RSSProbe": "tightfit.paging.probes",
+    "CgroupProbe": "tightfit.paging.probes",
     "FakeProbe": "tightfit.paging.probes",
     "PressureWatch": "tightfit.paging.watch",
     "OccupancyControl": "tightfit.paging.occupancy",

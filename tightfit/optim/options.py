@@ -35,7 +35,8 @@ class PagingOptions(TypedDict, total=False):
             of capacity (float, e.g. 0.9) or bytes (int; required on the CPU). Pages leave the
             device when usage passes it and come back at later steps; ``None`` with no
             ``probe``: no pressure handling (see ``docs/pressure.md``).
-        probe: reads the device's usage (``None``: CudaProbe on CUDA, RSSProbe on the CPU).
+        probe: reads the device's usage (``None``: CudaProbe on CUDA; on the CPU CgroupProbe under a
+            memory cgroup with a limit, else RSSProbe).
     """
 
     page_bytes: int

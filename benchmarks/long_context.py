@@ -234,11 +234,14 @@ def child_main(a: argparse.Namespace) -> None:
     folder = Path(a.folder)
     batch = batch_of(a.cgroup_tokens, a)
     model = build(a.child, folder, batch, a)
+    # real training steps: the adapters change, so each step's loss is a new number to match
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     with open(a.log, "w") as out:
         out.write(json.dumps({"event": "built", "rss": RSSProbe().used_bytes()}) + "\n")
         out.flush()
         for i in range(a.cgroup_steps):
             loss, peak, seconds = step(model, batch, "cpu")
+            opt.step()
             out.write(json.dumps({"step": i, "loss": loss, "peak": peak, "seconds": seconds,
                                   "rss": RSSProbe().used_bytes()}) + "\n")
             out.flush()
@@ -262,13 +265,15 @@ def _child(stack: str, args: list[str], cap: object, cap_bytes: int | None, log:
     cmd_args = [*args, "--log", str(log)]
     cg = None
     preexec = None
-    if cap_bytes is not None and cap.kind.startswith("cgroup"):  # type: ignore[attr-defined]
+    if cap.kind.startswith("cgroup"):  # type: ignore[attr-defined]
+        # uncapped runs get a cgroup too (without a limit): their charge is measured alike
         cg = cap.base / f"tightfit-longctx-{os.getpid()}-{time.monotonic_ns()}"  # type: ignore[attr-defined]
         cg.mkdir()
         limit = "memory.max" if cap.kind == "cgroup-v2" else "memory.limit_in_bytes"  # type: ignore[attr-defined]
-        (cg / limit).write_text(str(cap_bytes))
+        if cap_bytes is not None:
+            (cg / limit).write_text(str(cap_bytes))
         swap = cg / ("memory.swap.max" if cap.kind == "cgroup-v2" else "memory.memsw.limit_in_bytes")  # type: ignore[attr-defined]
-        if swap.exists():
+        if swap.exists() and cap_bytes is not None:
             with contextlib.suppress(OSError):  # no swap accounting: RAM alone is capped
                 swap.write_text("0" if cap.kind == "cgroup-v2" else str(cap_bytes))  # type: ignore[attr-defined]
         procs = str(cg / "cgroup.procs")
@@ -282,8 +287,11 @@ def _child(stack: str, args: list[str], cap: object, cap_bytes: int | None, log:
     proc = subprocess.Popen(cmd, preexec_fn=preexec, cwd=HERE.parent)
     _, status, usage = os.wait4(proc.pid, 0)
     rc = os.waitstatus_to_exitcode(status)
-    oom = None
+    oom = peak = None
     if cg is not None:
+        peak_file = cg / ("memory.peak" if cap.kind == "cgroup-v2" else "memory.max_usage_in_bytes")  # type: ignore[attr-defined]
+        if peak_file.exists():
+            peak = int(peak_file.read_text())
         if cap.kind == "cgroup-v2":  # type: ignore[attr-defined]
             events = dict(x.split() for x in (cg / "memory.events").read_text().splitlines())
         else:
@@ -293,6 +301,7 @@ def _child(stack: str, args: list[str], cap: object, cap_bytes: int | None, log:
     records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     return {"rc": rc, "killed": rc in (-9, 137), "oom_kills": oom, "cap": cap_bytes,
             "cap_kind": cap.kind, "maxrss": usage.ru_maxrss * 1024,  # type: ignore[attr-defined]
+            "cgroup_peak": peak, "steps": [r for r in records if "loss" in r],
             "wall_s": time.perf_counter() - t0,
             "losses": [r["loss"] for r in records if "loss" in r]}
 
@@ -320,6 +329,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cgroup-tokens", type=int, default=0)
     p.add_argument("--cgroup-cap", type=int, default=0)
     p.add_argument("--cgroup-steps", type=int, default=3)
+    p.add_argument("--cgroup-only", action="store_true", help="skip the searches")
     p.add_argument("--out", default=str(HERE / "results" / "long_context.md"))
     p.add_argument("--child", choices=STACKS, default=None)
     p.add_argument("--folder", default=None)
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(tmp) / "model"
         save_model(folder, a)
         found = {}
-        for s in a.stacks.split(","):
+        for s in ([] if a.cgroup_only else a.stacks.split(",")):
             probe = Probe(s, folder, a, log)
             found[s] = longest(probe.fits, a.start, a.resolution, a.limit)
             print(f"{s}: longest {found[s]} tokens ({time.perf_counter() - t_start:.0f} s)",
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
             for s in ("hf", "long"):
                 capped[s] = run_capped(s, folder, a, a.cgroup_cap)
                 print(f"cgroup {s}: {capped[s]}", flush=True)
-            capped["long uncapped"] = run_capped("long", folder, a, None)
+            for s in ("hf", "long"):
+                capped[f"{s} uncapped"] = run_capped(s, folder, a, None)
+                print(f"{s} uncapped: {capped[f'{s} uncapped']}", flush=True)
     result = {"args": vars(a), "found": found, "predicted_longest": predicted, "times": times,
               "capped": capped, "log": log, "load": (load0, os.getloadavg()),
               "wall_s": time.perf_counter() - t_start}
@@ -387,6 +399,9 @@ def write(r: dict, out: Path) -> None:
         "| stack | longest sequence (measured) | × HF | step s at HF's longest | × HF |",
         "|---|---:|---:|---:|---:|",
     ]
+    if not f:  # --cgroup-only: no search, so no table of longest sequences
+        lines = lines[:5] + [f"Wall time {r['wall_s'] / 60:.1f} min."]
+        lines[0] = "# Long context under a real memory cgroup"
     names = {"hf": "HF (bnb 4-bit + peft + gradient_checkpointing_enable + SDPA)",
              "now": "tightfit now (every layer + chunked loss)",
              "long": "tightfit long (prepare, checkpoint_budget = budget)"}
@@ -414,11 +429,15 @@ def write(r: dict, out: Path) -> None:
     if r["capped"]:
         lines += ["", f"Real memory cgroup ({next(iter(r['capped'].values()))['cap_kind']}), "
                   f"{a['cgroup_cap'] / MiB:.0f} MiB for the whole process, "
-                  f"{a['cgroup_tokens']:,} tokens, {a['cgroup_steps']} steps:", "",
-                  "| run | exit | killed | OOM kills | max RSS MiB | losses |", "|---|---:|---|---:|---:|---|"]
+                  f"{a['cgroup_tokens']:,} tokens, {a['cgroup_steps']} training steps (AdamW on "
+                  "the adapters):", "",
+                  "| run | exit | killed | OOM kills | max RSS MiB | cgroup peak MiB | steps done "
+                  "| losses |", "|---|---:|---|---:|---:|---:|---:|---|"]
         for k, c in r["capped"].items():
+            cg = "—" if c.get("cgroup_peak") is None else f"{c['cgroup_peak'] / MiB:.0f}"
             lines.append(f"| {k} | {c['rc']} | {c['killed']} | {c['oom_kills']} | "
-                         f"{c['maxrss'] / MiB:.0f} | {', '.join(f'{v:.6f}' for v in c['losses'])} |")
+                         f"{c['maxrss'] / MiB:.0f} | {cg} | {len(c['losses'])} | "
+                         f"{', '.join(f'{v:.6f}' for v in c['losses'])} |")
     lines += ["", "<details><summary>every probe</summary>", "", "```json",
               json.dumps(r["log"], indent=None)[:20000], "```", "</details>", ""]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,10 @@ from tightfit.qlora.options import PrepareOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
                                         "ignore:tightfit.checkpoint")
-T = 1024  # tokens: the MLP's and head's transients, not the layer inputs, decide the peak
+# tokens: long enough that the MLP's and head's transients, not the layer inputs, decide
+# the peak; at 512 (was 1024) the routes still need tiling, crops and offload (each test
+# asserts its route), in about half the time (they took 15-30 s each at load 4-5)
+T = 512
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 
 
@@ -97,9 +100,9 @@ def test_a_machine_too_small_for_the_plain_step_is_profiled_from_crops(
         base: tuple, every: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     lowest, ref = every
     # a machine with room for the crops' unchecked steps but not the full one's; crops of
-    # at most 512 tokens (of this 1024-token example)
+    # at most T / 2 tokens of the example
     monkeypatch.setattr(longctx, "machine_room", lambda dev: int(1.2 * lowest))
-    monkeypatch.setattr(longctx, "CROP_TOKENS", 512)
+    monkeypatch.setattr(longctx, "CROP_TOKENS", T // 2)
     budget = int(0.6 * lowest)
     model = _prepare(base, checkpoint_budget=budget)
     info = model.tightfit_info

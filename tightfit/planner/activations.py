@@ -215,10 +215,14 @@ GEMMA_NORM_BWD = 5
 def _base_input_grad(setup: TrainSetup, fan_in: int, fan_out: int, tokens: int) -> int:
     """A frozen linear's input-gradient moment: a 4-bit weight dequantized to fp32 and, in
     16-bit compute, cast (in·out·(4 + d)), or the cast weight beside the input gradient
-    (in·out·d + tokens·in·d), whichever is larger; unquantized, the gradient alone."""
+    (in·out·d + tokens·in·d), whichever is larger; an int8 weight dequantized straight to
+    the input's dtype beside the gradient (bitsandbytes' ``MatMul8bitLt.backward``:
+    in·out·d + tokens·in·d); unquantized, the gradient alone."""
     d, w = setup.d, fan_in * fan_out
     if setup.quant == "none":
         return tokens * fan_in * d
+    if setup.quant == "int8":
+        return w * d + tokens * fan_in * d
     deq = w * 4 + (w * d if d != 4 else 0)
     return max(deq, w * d + tokens * fan_in * d)
 
@@ -241,15 +245,17 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
     * the recompute's last op before all these: the down projection's output and its
       adapter's two outputs and the residual (T·h·(2d + 2a)) beside all of the layer saved.
 
-    Listed and checked on NF4 bases with adapters in the compute dtype (the QLoRA recipe's
-    bf16, or fp32 throughout) only. MoE layers, unquantized and int8 bases, tiled MLPs and
+    Listed and checked on NF4 and int8 bases (int8: the weight dequantized straight to the
+    compute dtype; what its matmul holds outside the hooks is :func:`int8_held_bytes`) with
+    adapters in the compute dtype (the QLoRA recipe's bf16, or fp32 throughout) only. MoE
+    layers, unquantized bases, tiled MLPs and
     fp32 adapters in 16-bit compute (where the recompute's forward of the down projection
     peaks, with fp32 gradients from outside the layer in flight: listed, not yet counted)
     keep the calibrated transients of :func:`backward_transient_bytes` and (dense layers)
     the quantized base's extra beside all of the layer saved.
     """
     saved = layer_saved_bytes(shape, setup, layer=layer)
-    if (shape.is_moe or setup.quant != "nf4" or setup.mlp_tile is not None
+    if (shape.is_moe or setup.quant not in ("nf4", "int8") or setup.mlp_tile is not None
             or setup.a != setup.d):
         # the quantized extra was calibrated on dense layers; a recomputed MoE layer peaks
         # inside its experts' recomputed forward, where the listing shows no such tensor
@@ -276,6 +282,33 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
         h16 = BWD_H16 * t * h * 4 if d != 4 else 0
         moments.append(saved + eager_backward_bytes(shape, setup) + h16)
     return int(max(moments))
+
+
+def int8_held_bytes(shape: ModelShape, setup: TrainSetup, layer: int, *,
+                    recomputed: bool) -> int:
+    """Inputs an int8 base's linears of one layer hold from their forward to their backward.
+
+    bitsandbytes' ``MatMul8bitLt`` keeps its input as a plain attribute of its autograd
+    context (``ctx.tensors``), not through ``save_for_backward``, whenever the input requires
+    grad: the checkpoint's saved-tensor hooks never see it, so a recomputed layer keeps it
+    from the first forward until that linear's backward — on the device, offloaded or not
+    (listed with the tracker: every checkpointed layer's normed inputs, attention output and
+    gated product stay alive). One per distinct input (q/k/v share one, gate/up one); none
+    until some adapter makes the stream require grad (layer 0's input is the frozen
+    embedding's output). In a stored layer only what no adapter already saves as the very
+    same tensor counts (an adapter saves its input itself in the compute dtype, no dropout).
+    MoE layers: the attention's linears only (the experts are not int8 linears).
+    """
+    if setup.quant != "int8":
+        return 0
+    total, needs_grad = 0, layer > 0
+    same = setup.a == setup.d and setup.lora_dropout == 0
+    for names, width, _, _ in _groups(shape):
+        adapted = any(setup.adapts(n) for n in names)
+        if needs_grad and (recomputed or not (same and adapted)):
+            total += setup.tokens * width * setup.d
+        needs_grad = needs_grad or adapted
+    return total
 
 
 def rotary_bytes(shape: ModelShape, setup: TrainSetup) -> int:

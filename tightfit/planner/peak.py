@@ -18,6 +18,7 @@ from tightfit.planner.activations import (
     backward_transient_bytes,
     final_norm_bytes,
     head_loss_bytes,
+    int8_held_bytes,
     layer_backward_bytes,
     layer_input_bytes,
     layer_saved_bytes,
@@ -41,6 +42,10 @@ class _Terms:
 
     prefix: tuple[int, ...]  # prefix[i]: what layers 0..i-1 save (layer types differ: Gemma)
     backward: tuple[int, ...]  # backward[i]: layer i at the peak of its backward, recomputed
+    # held[k][i]: what layers 0..i-1 hold on the device outside the saved-tensor hooks (an
+    # int8 base's inputs) beyond what they save, k = 0 stored, 1 recomputed; held[1] is also
+    # what any layer still holds once its backward ran, until the graph is freed
+    held: tuple[tuple[int, ...], tuple[int, ...]]
     x: int  # one layer input
     dup: int  # fp32: a checkpointed segment's first norm saves its input, a view of x
     head: int
@@ -55,13 +60,22 @@ class _Terms:
             return 0
         return self.prefix[stop] - self.prefix[start]
 
+    def pinned(self, seg: Segment) -> int:
+        """What ``seg``'s layers hold on the device from forward to backward, whatever the
+        segment's placement (:func:`~tightfit.planner.activations.int8_held_bytes`)."""
+        held = self.held[seg.kind in RECOMPUTED]
+        return held[seg.stop] - held[seg.start]
+
 
 def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
     t, h = setup.tokens, shape.hidden
     # layers of one attention type save the same: compute each type once
     by_kind: dict[tuple[bool, bool], tuple[int, int]] = {}
     prefix, backward = [0], []
+    held: tuple[list[int], list[int]] = ([0], [0])
     for i in range(shape.layers):
+        for k in (0, 1):
+            held[k].append(held[k][-1] + int8_held_bytes(shape, setup, i, recomputed=bool(k)))
         kind = (i == 0, shape.masked(i, setup.seq_len))
         if kind not in by_kind:
             by_kind[kind] = (layer_saved_bytes(shape, setup, layer=i),
@@ -71,6 +85,7 @@ def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
     return _Terms(
         prefix=tuple(prefix),
         backward=tuple(backward),
+        held=(tuple(held[0]), tuple(held[1])),
         x=layer_input_bytes(shape, setup),
         dup=t * h * 4 if setup.d == 4 else 0,
         head=head_loss_bytes(shape, setup),
@@ -126,9 +141,10 @@ def _segment_backward(setup: TrainSetup, terms: _Terms, seg: Segment, before: in
         if setup.d != 4:
             own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive
         # its input (back on the device), its recomputed tensors, the output's gradient
-        return before + x + own + prefetch + x + terms.inputs
+        return before + x + own + prefetch + x + terms.inputs + terms.pinned(seg)
     # stored, on the device or fetched back whole (stored_offload): its saved tensors
-    return before + terms.extra + terms.saved(s, e) + prefetch + terms.trans + x
+    return (before + terms.extra + terms.saved(s, e) + prefetch + terms.trans + x
+            + terms.pinned(seg))
 
 
 def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...],
@@ -162,7 +178,8 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
                          "budget), offloaded or not.")
     t = terms or _terms(shape, setup)
     segments = placed(segments, setup)
-    on_device = [0 if seg.kind in OFFLOADED else _kept(t, seg) for seg in segments]
+    on_device = [(0 if seg.kind in OFFLOADED else _kept(t, seg)) + t.pinned(seg)
+                 for seg in segments]
     # what is fetched back one segment ahead: an input, or a segment's saved tensors whole
     ahead = [_kept(t, seg) if seg.kind in OFFLOADED else 0 for seg in segments]
     # the last segment's first bytes come back while the head and the final norm run backward
@@ -177,7 +194,10 @@ def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...
     before = 0
     for j, seg in enumerate(segments):
         prefetch = ahead[j - 1] if j > 0 else 0
-        layers = _segment_backward(setup, t, seg, before, prefetch)
+        # the layers whose backward already ran still hold what the saved-tensor hooks never
+        # saw: the graph (the loss's) lives until backward returns
+        done = t.held[1][-1] - t.held[1][seg.stop]
+        layers = _segment_backward(setup, t, seg, before, prefetch) + done
         if layers > best_layers + best_head:
             best_layers, best_head = layers, 0
         before += on_device[j]

@@ -18,6 +18,7 @@ from tightfit.train import resume
 from tightfit.train.data import Batcher
 from tightfit.train.loop import RunConfig, TrainOptions, train
 from tightfit.train.options import DataOptions
+from tightfit.train.setup import DEMO_DEVICE_BUDGET
 
 
 def _cfg(out: Path, model: Path | None, **train_kw) -> RunConfig:
@@ -59,6 +60,14 @@ def test_default_run_finishes_loss_falls_and_writes_everything(tmp_path) -> None
                      "activations", "optimizer state"]
     peaks = [h["activation_peak"] for h in result.history if h["activation_peak"] is not None]
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
+    # measured beside tightfit plan's prediction of the same setup: the counted pieces agree,
+    # and the optimizer's device share is the budget the run paged under (the demo's own)
+    predicted = {r["piece"]: r for r in report["predicted"]}
+    for piece in ("LoRA params", "LoRA grads", "optimizer state on the device"):
+        assert predicted[piece]["predicted"] == predicted[piece]["measured"], piece
+    state = predicted["optimizer state"]  # the planner also counts each param's step counter
+    assert abs(state["predicted"] - state["measured"]) <= 0.001 * state["measured"]
+    assert predicted["optimizer state on the device"]["measured"] == DEMO_DEVICE_BUDGET
 
 
 def test_stop_at_k_and_resume_equals_uninterrupted_bit_for_bit(tmp_path, tiny_dir) -> None:

@@ -54,13 +54,21 @@ def planned_estimate(run: Run) -> tuple[Estimate | None, str]:
             checkpoint=policy,
             checkpoint_budget=getattr(plan, "budget_bytes", None) if policy == "budget" else None,
             optimizer=cfg.optimizer.kind,
-            optimizer_device_budget=cfg.optimizer.device_budget,
+            optimizer_device_budget=_device_budget(run, cfg),
             loss_chunk_tokens=_chunk_tokens(info, shape.vocab, length, rows),
         )
         overhead = Overhead() if run.device.type == "cuda" else Overhead(0, 0.0)
         return estimate(shape, setup, overhead), ""
     except ValueError as exc:
         return None, f"tightfit plan cannot model this run: {exc}"
+
+
+def _device_budget(run: Run, cfg: Any) -> int | None:
+    """The device budget the run's optimizer pages under: the one it was built with (the
+    built-in demo sets its own), else the option as given."""
+    stats = getattr(run.optimizer, "memory_stats", None)
+    budget = stats().get("device_budget") if callable(stats) else None
+    return cfg.optimizer.device_budget if budget is None else int(budget)
 
 
 def _chunk_tokens(info: Any, vocab: int, length: int, rows: int) -> int | None:

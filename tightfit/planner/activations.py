@@ -39,7 +39,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tightfit.planner.attention import attention_saved_bytes, eager_backward_bytes
-from tightfit.planner.moe import expert_backward_bytes, expert_saved_bytes
+from tightfit.planner.moe import (
+    expert_backward_bytes,
+    expert_recompute_bytes,
+    expert_saved_bytes,
+)
 from tightfit.planner.shapes import MLP_WEIGHTS
 
 if TYPE_CHECKING:
@@ -247,14 +251,19 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
 
     Listed and checked on NF4 and int8 bases (int8: the weight dequantized straight to the
     compute dtype; what its matmul holds outside the hooks is :func:`int8_held_bytes`) with
-    adapters in the compute dtype (the QLoRA recipe's bf16, or fp32 throughout) only. MoE
-    layers, unquantized bases, tiled MLPs and
+    adapters in the compute dtype (the QLoRA recipe's bf16, or fp32 throughout) only; a
+    4-bit MoE layer there peaks at its last expert
+    (:func:`~tightfit.planner.moe.expert_moments`). Other MoE layers, unquantized bases,
+    tiled MLPs and
     fp32 adapters in 16-bit compute (where the recompute's forward of the down projection
     peaks, with fp32 gradients from outside the layer in flight: listed, not yet counted)
     keep the calibrated transients of :func:`backward_transient_bytes` and (dense layers)
     the quantized base's extra beside all of the layer saved.
     """
     saved = layer_saved_bytes(shape, setup, layer=layer)
+    if (shape.is_moe and setup.quant == "nf4" and setup.a == setup.d
+            and setup.lora_dropout == 0):
+        return saved + expert_recompute_bytes(shape, setup)
     if (shape.is_moe or setup.quant not in ("nf4", "int8") or setup.mlp_tile is not None
             or setup.a != setup.d):
         # the quantized extra was calibrated on dense layers; a recomputed MoE layer peaks

@@ -19,7 +19,11 @@ Symbols: P = T·k pairs, I an expert's intermediate size, h hidden, d / a bytes 
   token of top-k values and indices.
 * backward: one expert's projection dequantized (in·out·d) beside its tokens' gradients.
   How many tokens one expert gets depends on the data; the planner assumes the worst case,
-  all T tokens at one expert (top-k experts are distinct, so no more than T).
+  all T tokens at one expert (top-k experts are distinct, so no more than T) — each token
+  at the same k experts, T tokens each, which is what ``--verify`` measures (routers
+  zeroed). A recomputed layer (NF4, adapters in the compute dtype) peaks at its last
+  expert, in its recomputed forward or in its backward (:func:`expert_moments`, listed with
+  the tracker); the other setups keep the calibrated :func:`expert_backward_bytes`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ ROUTE_TOKEN = 68
 
 def expert_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
     """What one MoE MLP (experts + router) saves for ``tokens`` tokens."""
-    h, i, d, a, r = shape.hidden, shape.intermediate, setup.d, setup.a, setup.lora_r
+    h, i, d = shape.hidden, shape.intermediate, setup.d
     pairs = tokens * shape.experts_per_token
     total = tokens * (4 * shape.experts + ROUTE_TOKEN) + pairs * ROUTE_PAIR
     gate_up, down = setup.adapts("gate_up_proj"), setup.adapts("down_proj")
@@ -49,12 +53,60 @@ def expert_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int
             if adapted:  # ParamWrapper: the merged weights and the input are saved
                 total += pairs * width * d + shape.experts * numel * d
         return total
-    total += pairs * (3 * i + 2 * h) * d
-    if gate_up:
-        total += pairs * (h + r) * a
-    if down:
-        total += pairs * (i + r) * a
+    return total + pairs * _pair_bytes(shape, setup)
+
+
+def _pair_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """What a 4-bit expert saves per routed pair (its routing indices' ``ROUTE_PAIR`` aside)."""
+    h, i, d, a, r = shape.hidden, shape.intermediate, setup.d, setup.a, setup.lora_r
+    total = (3 * i + 2 * h) * d
+    if setup.adapts("gate_up_proj"):
+        total += (h + r) * a
+    if setup.adapts("down_proj"):
+        total += (i + r) * a
     return total
+
+
+def expert_recompute_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """A recomputed 4-bit MoE layer's peak beyond all it saved: the larger of
+    :func:`expert_moments`."""
+    return max(expert_moments(shape, setup))
+
+
+def expert_moments(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """``(forward, backward)``: a recomputed 4-bit MoE layer's peak beyond all it saved (adapters in the compute dtype).
+
+    Worst case, as everywhere here: every token at each of its k experts (T tokens each).
+    Counted from the tracker's listing of the recomputed layer (Mixtral and Qwen3-MoE, fp32
+    and bf16): the peak is the last expert's, either in the recomputed forward — the
+    layer's residual, normed input and output accumulator alive (3·T·h·d; 2 in fp32), the expert's
+    own saved tensors not all made yet, and inside one projection its gathered input, the
+    base output, the adapter's output and its scaled copy (3·T·out·d; in 16-bit the
+    previous expert's fp32 weighted output too) — or in its backward, once its own saved
+    tensors are freed: the gradient slices peft's ``ParamWrapper`` layout gives each
+    expert's adapters (full-size, E·r·(3I + 2h)·a), the gate/up output's gradient (2·T·I·d),
+    the input gradients (2·T·h·d) and the expert's gate/up weight dequantized (2I·h·d).
+    """
+    t, h, i, d, a, r = (setup.tokens, shape.hidden, shape.intermediate, setup.d, setup.a,
+                        setup.lora_r)
+    gu, dn = setup.adapts("gate_up_proj"), setup.adapts("down_proj")
+    share = t * _pair_bytes(shape, setup)  # the last expert's saved tensors
+    idx = 2 * t * 8  # its token and slot indices (int64)
+
+    def project(width: int, adapted: bool) -> int:
+        return t * r * a + 3 * t * width * d if adapted else t * width * d
+
+    gate_up = (t * h * 4 if d != 4 else 0) + idx + t * h * d + project(2 * i, gu)
+    down = (idx + t * h * d + (t * r * a if gu else 0) + 4 * t * i * d
+            + project(h, dn))
+    # the residual, the normed input and the output accumulator; in fp32 the residual is
+    # the post-attention norm's saved input itself (no cast), already counted
+    live = (3 if d != 4 else 2) * t * h * d
+    forward = live - share + max(gate_up, down)
+    slices = shape.experts * r * a * ((h + 2 * i if gu else 0) + (i + h if dn else 0))
+    backward = (-share + slices + 2 * t * i * d + 2 * t * h * d
+                + t * shape.experts_per_token * 4 + 2 * i * h * d)
+    return forward, backward
 
 
 def expert_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:

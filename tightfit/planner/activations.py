@@ -249,23 +249,26 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
     * the recompute's last op before all these: the down projection's output and its
       adapter's two outputs and the residual (T·h·(2d + 2a)) beside all of the layer saved.
 
+    With adapters in another dtype than the compute one (peft's fp32 adapters in bf16, NF4)
+    the recompute's last op peaks: the adapters saved cast copies, so the MLP's input and
+    the gated product are alive besides as the forward's arguments, and the recompute runs
+    inside the down adapter's backward, its output gradient cast and scaled in flight.
+
     Listed and checked on NF4 and int8 bases (int8: the weight dequantized straight to the
     compute dtype; what its matmul holds outside the hooks is :func:`int8_held_bytes`) with
-    adapters in the compute dtype (the QLoRA recipe's bf16, or fp32 throughout) only; a
-    4-bit MoE layer there peaks at its last expert
-    (:func:`~tightfit.planner.moe.expert_moments`). Other MoE layers, unquantized bases,
-    tiled MLPs and
-    fp32 adapters in 16-bit compute (where the recompute's forward of the down projection
-    peaks, with fp32 gradients from outside the layer in flight: listed, not yet counted)
-    keep the calibrated transients of :func:`backward_transient_bytes` and (dense layers)
-    the quantized base's extra beside all of the layer saved.
+    adapters in the compute dtype (the QLoRA recipe's bf16, or fp32 throughout), and NF4
+    with fp32 adapters in bf16 without dropout; a 4-bit MoE layer there peaks at its last
+    expert (:func:`~tightfit.planner.moe.expert_moments`). Other MoE layers, unquantized
+    bases, tiled MLPs, int8 or dropout with adapters in another dtype keep the calibrated
+    transients of :func:`backward_transient_bytes` and (dense layers) the quantized base's
+    extra beside all of the layer saved.
     """
     saved = layer_saved_bytes(shape, setup, layer=layer)
     if (shape.is_moe and setup.quant == "nf4" and setup.a == setup.d
             and setup.lora_dropout == 0):
         return saved + expert_recompute_bytes(shape, setup)
     if (shape.is_moe or setup.quant not in ("nf4", "int8") or setup.mlp_tile is not None
-            or setup.a != setup.d):
+            or (setup.a != setup.d and (setup.quant != "nf4" or setup.lora_dropout > 0))):
         # the quantized extra was calibrated on dense layers; a recomputed MoE layer peaks
         # inside its experts' recomputed forward, where the listing shows no such tensor
         extra = 0 if shape.is_moe else quantized_backward_extra_bytes(shape, setup)
@@ -283,6 +286,12 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
     # adapter's output and the scaled copy in the adapter dtype) and the residual the
     # layer's forward still holds
     last = t * h * (2 * d + (2 * setup.a if setup.adapts("down_proj") else 0))
+    if setup.a != d and setup.adapts("down_proj"):
+        # adapters in another dtype save cast copies: the MLP's input and the down
+        # projection's (the gated product) are still alive as the forward's arguments; the
+        # recompute starts inside the down adapter's backward, its output gradient cast and
+        # scaled (T·h·(d + a)) in flight
+        last += t * h * d + t * i * d + t * h * (d + setup.a)
     moments = [saved - down_kept + down, saved - mlp_saved_bytes(shape, setup, t) + gate_up,
                saved + last]
     if shape.traits.norms == 4:

@@ -15,23 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tightfit.distributed.launch import run_torchrun
-
-
-def _unavailable() -> str | None:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return "torch.distributed with the gloo backend is not available on this platform"
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return "FSDP2 (torch.distributed.fsdp.fully_shard) is not available in this torch"
-    return None
-
+from tightfit.distributed.launch import fsdp_unavailable, run_torchrun
 
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.slow,  # each launch starts fresh interpreters: ~10 s on 2 idle cores
-    pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or ""),
+    pytest.mark.skipif(fsdp_unavailable() is not None, reason=fsdp_unavailable() or ""),
 ]
 
 TOL = 1e-5

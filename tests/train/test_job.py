@@ -12,23 +12,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from tightfit.distributed.launch import run_torchrun
+from tightfit.distributed.launch import fsdp_unavailable, run_torchrun
 from tightfit.train.job import TrainJob
-
-
-def _unavailable() -> str | None:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return "torch.distributed with the gloo backend is not available on this platform"
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return "FSDP2 (torch.distributed.fsdp.fully_shard) is not available in this torch"
-    return None
-
 
 pytestmark = [
     pytest.mark.distributed,
-    pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or ""),
+    pytest.mark.skipif(fsdp_unavailable() is not None, reason=fsdp_unavailable() or ""),
 ]
 
 

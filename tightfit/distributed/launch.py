@@ -120,6 +120,23 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def fsdp_unavailable() -> str | None:
+    """Why FSDP2 on CPU ranks (gloo) cannot run here, or ``None`` when it can.
+
+    What the CPU test suite and ``selfcheck --device cpu`` need: torch.distributed with the
+    gloo backend and FSDP2's ``fully_shard``.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return "torch.distributed with the gloo backend is not available on this platform"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return "FSDP2 (torch.distributed.fsdp.fully_shard) is not available in this torch"
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host`` (bind to port 0, read it back)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

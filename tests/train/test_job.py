@@ -74,7 +74,7 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
     try:
         res = run_torchrun(
             ["tightfit.cli", "train", "--model", str(model_dir), "--out", str(sharded),
-             "--steps", "2", "--fsdp", *ARGS],
+             "--steps", "2", "--fsdp", "--target", "4GiB", *ARGS],
             2, module=True, timeout_s=240,
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
@@ -86,6 +86,8 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
     ranks = report["meta"]["ranks"]
     assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == "fsdp"
     assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
+    # every rank keeps its device under the target: a target and a watch reading its probe
+    assert all(r["target_bytes"] == 4 << 30 and r["watch_reads"] > 0 for r in ranks), ranks
     assert (sharded / "memory_ranks.png").is_file()
     saved = sharded / "checkpoints" / "step-00000002"
     assert (saved / "dcp" / ".metadata").is_file()

@@ -140,7 +140,8 @@ class TrainJob:
         fn = getattr(optimizer, "memory_stats", None)
         stats = dict(fn()) if callable(fn) else {}
         keep = ("state_bytes", "device_bytes", "host_bytes", "disk_bytes", "peak_device_bytes",
-                "bytes_paged_in", "bytes_paged_out", "device_budget")  # fmt: skip
+                "bytes_paged_in", "bytes_paged_out", "device_budget",
+                "target_bytes", "watch_reads", "evict_events", "restore_events")  # fmt: skip
         mine = {k: stats.get(k) for k in keep}
         mine["local_param_elements"] = sum(
             local_numel(p) for g in optimizer.param_groups for p in g["params"]

@@ -11,8 +11,6 @@ store's placement, budgets, traffic and staging — not CUDA itself
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -25,48 +23,10 @@ PAGE = 64 << 10
 SIZES = [1, 7, 4097, 100_003]
 
 
-class _Event:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.recorded = False
-
-    def record(self, stream: object = None) -> None:
-        self.recorded = True
-
-    def synchronize(self) -> None:
-        assert self.recorded, "waited on an event that was never recorded"
-
-
-class _Stream:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def wait_event(self, event: _Event) -> None:
-        assert event.recorded, "a stream waited on an event that was never recorded"
-
-    def synchronize(self) -> None:
-        pass
-
-
 @pytest.fixture
-def accelerator(monkeypatch):
+def accelerator(monkeypatch, fake_cuda):  # noqa: ANN001 (fake_cuda: tests/conftest.py)
     """Returns make(cls, params, **kwargs): a paged optimizer whose store behaves as on CUDA
     (its engine, ``opt.pager.engine``, counts the bytes it copies)."""
-    pinned: set[int] = set()
-    empty = torch.empty
-
-    def fake_empty(*args, pin_memory: bool = False, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t = empty(*args, **kwargs)
-        if pin_memory:
-            pinned.add(t.untyped_storage().data_ptr())
-        return t
-
-    monkeypatch.setattr(torch, "empty", fake_empty)
-    monkeypatch.setattr(torch.Tensor, "is_pinned",
-                        lambda self, *a: self.untyped_storage().data_ptr() in pinned)  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     count_copies(monkeypatch, CountingCudaEngine, emulate_accelerator=True)
     made = []
 

@@ -170,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("tightfit %s: %s", args.command, exc or "interrupted")
         return 130
     except RuntimeError as exc:
-        if type(exc).__name__ != "StepOutOfMemory":  # tightfit.train.step's, by name: lazy
+        from tightfit.train.step import StepOutOfMemory  # only once a run has failed
+
+        if not isinstance(exc, StepOutOfMemory):
             raise
         logger.error("tightfit %s: %s", args.command, exc)
         return 1

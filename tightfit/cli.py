@@ -7,7 +7,7 @@ the options a user sees come from the same typed signatures the Python API uses.
 Output: results (the report, the plan) go to stdout; messages go through :mod:`logging`
 (the ``tightfit`` logger: INFO and DEBUG on stdout, warnings and errors on stderr), ``-v``
 adds DEBUG, ``--quiet`` keeps warnings and errors only. Exit codes: 0 done, 1 a step ran out
-of memory twice (the last completed step saved), 2 bad input (nothing changed), 130 Ctrl-C
+of memory twice (train: the last completed step saved) or nothing fits (plan), 2 bad input (nothing changed), 130 Ctrl-C
 (the last completed step saved).
 """
 

@@ -7,7 +7,13 @@
    tensor, 8 MiB pages), checksums on and off round-robin in one process. "Off" swaps the
    pager's hash functions for a plain copy inside this script only; there is no such option.
    Wall time and process CPU time per step (CPU time is less disturbed by other work on a
-   shared machine).
+   shared machine). Here the spill files stay in the page cache, so a "disk" copy runs at RAM
+   speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed at
+   XXH3's in-cache speed on this machine, as a share of the "off" step's CPU time — what
+   hashing costs even with no extra pass over RAM and perfect overlap.
+3. The same steps in a child process under a memory cgroup that leaves no room to keep the
+   spill files in the page cache, so pages really come from and go to the disk (what the tier
+   is for: state that does not fit in RAM). Skipped where no cgroup can be made.
 
 Writes ``benchmarks/results/checksums.md``. Run: ``.venv/bin/python benchmarks/checksums.py``.
 """
@@ -15,9 +21,11 @@ Writes ``benchmarks/results/checksums.md``. Run: ``.venv/bin/python benchmarks/c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +36,7 @@ from pathlib import Path
 import torch
 import xxhash
 from environment import cpu_model, git_commit, versions
+from spike import cgroup_figures, child_cgroup, detect_cap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
@@ -35,6 +44,19 @@ from tightfit.paging import disk  # noqa: E402
 from tightfit.tiers.integrity import checksum, copy_and_checksum  # noqa: E402
 
 MIB = 1 << 20
+
+
+def in_cache_speed(rounds: int = 200) -> float:
+    """Bytes per second XXH3-64 hashes a 256 KiB buffer that stays in a core's cache (best of
+    ``rounds``): the fastest any pass over a page's bytes can hash them here."""
+    buf = torch.randn(64 << 10).view(torch.uint8)
+    checksum(buf)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        checksum(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() / best
 
 
 def candidates(pages: int, rounds: int) -> list[str]:
@@ -76,48 +98,93 @@ def _off(dst: torch.Tensor, src: torch.Tensor) -> int:
     return 0
 
 
-def paged(n: int, rounds: int, page: int) -> list[str]:
-    """Paged steps with checksums on and off, round-robin; a table and the overheads."""
-    real = (disk.checksum, disk.copy_and_checksum, disk.zeros_checksum)
+FRACTIONS = {"50% resident": 0.5, "10% resident": 0.1}
+
+
+def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[str, float]]:
+    """Paged steps with checksums on and off, round-robin: per residency ``label``, the MiB
+    hashed per step and the median wall and CPU seconds of each mode."""
+    real = (disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum)
     fake = (lambda t: 0, _off, lambda nbytes: 0)
     param = torch.randn(n)
     param.grad = torch.randn(n) * 1e-3
     root = tempfile.mkdtemp(prefix="tightfit-bench-checksums-")
     configs = {}
-    for label, budget in (("50% resident", 4 * n), ("10% resident", 8 * n // 10)):
+    for label in labels:
         for mode in ("on", "off"):
-            configs[(label, mode)] = PagedAdamW([param], page_bytes=page, device_budget=budget,
-                                                spill_dir=root)  # fmt: skip
+            configs[(label, mode)] = PagedAdamW(
+                [param], page_bytes=page, device_budget=int(8 * n * FRACTIONS[label]),
+                spill_dir=root)  # fmt: skip
     wall: dict = {k: [] for k in configs}
     cpu: dict = {k: [] for k in configs}
     for r in range(rounds + 1):  # round 0: placement and first touch
         for key, opt in configs.items():
-            disk.checksum, disk.copy_and_checksum, disk.zeros_checksum = (
+            disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = (
                 real if key[1] == "on" else fake)
             c0, t0 = _cpu(), time.perf_counter()
             opt.step()
             if r:
                 wall[key].append(time.perf_counter() - t0)
                 cpu[key].append(_cpu() - c0)
-    disk.checksum, disk.copy_and_checksum, disk.zeros_checksum = real
-    rows = []
-    for label in ("50% resident", "10% resident"):
+    disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = real
+    out = {}
+    for label in labels:
         s = configs[(label, "on")].memory_stats()
-        moved = 2 * (s["state_bytes"] - s["resident_bytes"])
-        w = {m: statistics.median(wall[(label, m)]) for m in ("on", "off")}
-        c = {m: statistics.median(cpu[(label, m)]) for m in ("on", "off")}
-        rows.append(f"| {label} | {moved / MIB:.0f} | {w['off'] * 1e3:.1f} | {w['on'] * 1e3:.1f} "
-                    f"| {(w['on'] / w['off'] - 1) * 100:+.1f}% | {c['off'] * 1e3:.1f} | "
-                    f"{c['on'] * 1e3:.1f} | {(c['on'] / c['off'] - 1) * 100:+.1f}% |")
+        out[label] = {"hashed": 2 * (s["state_bytes"] - s["resident_bytes"])}
+        # the same round's on and off steps ran back to back: their ratio cancels slow drifts
+        # of the machine (the disk's throughput under the cap varies by 2 x between minutes)
+        pairs = [a / b for a, b in zip(wall[(label, "on")], wall[(label, "off")], strict=True)]
+        out[label]["paired"] = statistics.median(pairs) - 1
+        for m in ("on", "off"):
+            out[label][f"wall_{m}"] = statistics.median(wall[(label, m)])
+            out[label][f"cpu_{m}"] = statistics.median(cpu[(label, m)])
     for opt in configs.values():
         opt.close()
     os.rmdir(root)
-    return [
-        "| mode | MiB hashed / step | wall off ms | wall on ms | wall | CPU off ms | CPU on ms "
-        "| CPU |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
-    ]
+    return out
+
+
+def table(res: dict[str, dict[str, float]], speed: float | None) -> list[str]:
+    """The on/off table of :func:`paged`'s figures (with the floor column when ``speed``)."""
+    head = ("| mode | MiB hashed / step | wall off ms | wall on ms | wall | paired | CPU off ms "
+            "| CPU on ms | CPU |" + (" floor |" if speed else ""))
+    rows = [head, "|---" * (head.count("|") - 1) + "|"]
+    for label, f in res.items():
+        row = (f"| {label} | {f['hashed'] / MIB:.0f} | {f['wall_off'] * 1e3:.1f} | "
+               f"{f['wall_on'] * 1e3:.1f} | {(f['wall_on'] / f['wall_off'] - 1) * 100:+.1f}% | "
+               f"{f['paired'] * 100:+.1f}% | {f['cpu_off'] * 1e3:.1f} | {f['cpu_on'] * 1e3:.1f} | "
+               f"{(f['cpu_on'] / f['cpu_off'] - 1) * 100:+.1f}% |")
+        if speed:
+            row += f" {f['hashed'] / speed / f['cpu_off'] * 100:+.1f}% |"
+        rows.append(row)
+    return rows
+
+
+def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
+    """Each residency in a child under a memory cgroup too small to cache the spill files:
+    the table lines and a line saying how the cap was set (or why there was none)."""
+    cap = detect_cap()
+    if not cap.kind.startswith("cgroup"):
+        return [], f"skipped: {cap.detail}"
+    res, notes = {}, []
+    for label, frac in FRACTIONS.items():
+        # params + grads + both optimizers' resident state + 320 MiB of interpreter and torch
+        # (264 MiB RSS after the imports here): the ~0.8-1.8 x n x 4 bytes of spill files
+        # (two optimizers) cannot stay in the page cache
+        limit = 8 * n + int(2 * 8 * n * frac) + 320 * MIB
+        cg, join = child_cgroup(cap, limit, "tightfit-bench-checksums")
+        cmd = [sys.executable, __file__, "--child", label, "--params", str(n), "--rounds",
+               str(rounds)]  # fmt: skip
+        proc = subprocess.run(cmd, preexec_fn=join, capture_output=True, text=True)
+        peak, kills = cgroup_figures(cap, cg)
+        if proc.returncode != 0:
+            notes.append(f"{label}: the child failed (exit {proc.returncode}, {kills} OOM kills)"
+                         f": {proc.stderr.strip()[-300:]}")
+            continue
+        res.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        notes.append(f"{label}: cap {limit / MIB:.0f} MiB, cgroup peak {(peak or 0) / MIB:.0f} "
+                     f"MiB, {kills} OOM kills")
+    return table(res, None), f"{cap.kind}; " + "; ".join(notes)
 
 
 def main() -> int:
@@ -125,13 +192,19 @@ def main() -> int:
     parser.add_argument("--params", type=int, default=50_000_000)
     parser.add_argument("--rounds", type=int, default=10, help="timed steps per optimizer")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checksums.md"))
+    parser.add_argument("--child", choices=list(FRACTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # one residency, printed as JSON, for disk_bound()
+        print(json.dumps(paged(args.params, args.rounds, 8 * MIB, [args.child])))
+        return 0
     load = os.getloadavg()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core each, as the copy worker hashes (xxhash is 1 thread)
     first = candidates(pages=40, rounds=3)
+    speed = in_cache_speed()
     torch.set_num_threads(threads)
-    second = paged(args.params, args.rounds, 8 * MIB)
+    second = table(paged(args.params, args.rounds, 8 * MIB, list(FRACTIONS)), speed)
+    third, how = disk_bound(args.params, args.rounds, 8 * MIB)
     load_end = os.getloadavg()
     v = versions()
     text = [
@@ -140,8 +213,7 @@ def main() -> int:
         f"Written by `benchmarks/checksums.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores (torch {torch.get_num_threads()} "
-        f"threads); load average {load[0]:.2f} at the start, {load_end[0]:.2f} at the end — "
-        "**shared with other work: compare within a table**",
+        f"threads); load average {load[0]:.2f} at the start, {load_end[0]:.2f} at the end",
         f"- versions: python {v['python']}, torch {v['torch']}, xxhash {xxhash.VERSION}; "
         f"tightfit at commit {git_commit()}",
         "",
@@ -149,13 +221,25 @@ def main() -> int:
         "",
         *first,
         "",
-        f"## PagedAdamW steps, checksums on vs off ({args.params:,} fp32 params, 8 MiB pages, "
-        f"{args.rounds} rounds, medians)",
+        f"XXH3-64 of a 256 KiB buffer in cache: {speed / 2**30:.1f} GiB/s on one core.",
+        "",
+        f"## PagedAdamW steps, checksums on vs off, spill files in the page cache "
+        f"({args.params:,} fp32 params, 8 MiB pages, {args.rounds} rounds, medians)",
         "",
         "Every streamed page is verified when it is read in and hashed when it is written back:",
-        "2 x the non-resident bytes per step.",
+        "2 x the non-resident bytes per step. The spill files fit in the page cache, so these",
+        "copies run at RAM speed. *floor*: the MiB hashed at the in-cache speed above, as a",
+        "share of the off step's CPU time — the least any hash of every byte costs here.",
+        "*paired*: the median over rounds of (on step / off step of the same round) - 1.",
         "",
         *second,
+        "",
+        f"## The same under a memory cap: pages from and to the disk ({args.rounds} rounds, "
+        "medians)",
+        "",
+        f"Cap: {how}.",
+        "",
+        *third,
         "",
     ]
     Path(args.out).write_text("\n".join(text))

@@ -96,6 +96,46 @@ def detect_cap() -> Cap:
     return Cap("none", "no writable memory cgroup and no systemd: the cap is NOT enforced")
 
 
+def child_cgroup(cap: Cap, limit: int | None, name: str):  # noqa: ANN201 - (folder, preexec_fn)
+    """A new child cgroup ``name-<pid>-<ns>`` under ``cap`` with memory ``limit`` (``None``:
+    no limit, to measure a peak the same way), and the ``preexec_fn`` that joins it; ``(None,
+    None)`` where ``cap`` is not a cgroup."""
+    if not cap.kind.startswith("cgroup"):
+        return None, None
+    cg = cap.base / f"{name}-{os.getpid()}-{time.monotonic_ns()}"  # type: ignore[operator]
+    cg.mkdir()
+    if limit is not None:
+        if cap.kind == "cgroup-v2":
+            (cg / "memory.max").write_text(str(limit))
+            if (cg / "memory.swap.max").exists():
+                (cg / "memory.swap.max").write_text("0")
+        else:
+            (cg / "memory.limit_in_bytes").write_text(str(limit))
+    procs = str(cg / "cgroup.procs")
+
+    def join() -> None:  # in the child, before exec
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    return cg, join
+
+
+def cgroup_figures(cap: Cap, cg: Path | None) -> tuple[int | None, int | None]:
+    """The peak charge (RSS + page cache) and OOM kills of ``cg``, which is then removed."""
+    if cg is None:
+        return None, None
+    if cap.kind == "cgroup-v2":
+        peak = int((cg / "memory.peak").read_text()) if (cg / "memory.peak").exists() else None
+        events = dict(x.split() for x in (cg / "memory.events").read_text().splitlines())
+        kills = int(events.get("oom_kill", 0))
+    else:
+        peak = int((cg / "memory.max_usage_in_bytes").read_text())
+        ctl = dict(x.split() for x in (cg / "memory.oom_control").read_text().splitlines())
+        kills = int(ctl.get("oom_kill", 0))
+    cg.rmdir()
+    return peak, kills
+
+
 @dataclass
 class ChildResult:
     returncode: int
@@ -119,22 +159,7 @@ def run_child(
     cg: Path | None = None
     preexec = None
     if (cap_bytes is not None or measure) and cap.kind.startswith("cgroup"):
-        cg = cap.base / f"tightfit-spike-{os.getpid()}-{time.monotonic_ns()}"  # type: ignore[operator]
-        cg.mkdir()
-        if cap_bytes is None:
-            pass  # measuring only: a new cgroup starts without a limit
-        elif cap.kind == "cgroup-v2":
-            (cg / "memory.max").write_text(str(cap_bytes))
-            if (cg / "memory.swap.max").exists():
-                (cg / "memory.swap.max").write_text("0")
-        else:
-            (cg / "memory.limit_in_bytes").write_text(str(cap_bytes))
-        procs = str(cg / "cgroup.procs")
-
-        def preexec() -> None:  # in the child, before exec: join the cgroup
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
+        cg, preexec = child_cgroup(cap, cap_bytes, "tightfit-spike")
     elif cap_bytes is not None and cap.kind == "systemd-run":
         cmd = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={cap_bytes}", *cmd]
     t0 = time.perf_counter()
@@ -142,18 +167,7 @@ def run_child(
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     rc = os.waitstatus_to_exitcode(status)
-    peak = oom = None
-    if cg is not None:
-        peak_file = "memory.peak" if cap.kind == "cgroup-v2" else "memory.max_usage_in_bytes"
-        if (cg / peak_file).exists():
-            peak = int((cg / peak_file).read_text())
-        if cap.kind == "cgroup-v2":
-            events = dict(line.split() for line in (cg / "memory.events").read_text().splitlines())
-            oom = int(events.get("oom_kill", 0))
-        else:
-            ctl = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
-            oom = int(ctl.get("oom_kill", 0))
-        cg.rmdir()
+    peak, oom = cgroup_figures(cap, cg)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return ChildResult(rc, rc in (-9, 137), usage.ru_maxrss * 1024, peak, oom, wall, records)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 from environment import cpu_model, git_commit, load_text, versions_text
-from spike import Cap, detect_cap
+from spike import Cap, cgroup_figures, child_cgroup, detect_cap
 
 MiB = 2**20
 HERE = Path(__file__).resolve().parent
@@ -112,7 +112,7 @@ def train(label: str, out: Path, model: Path, data: Path, ns: argparse.Namespace
            "--batch-size", "2", "--seq-len", str(ns.long), "--lora-r", str(ns.lora_r),
            "--lora-alpha", str(ns.lora_r), "--threads", "1", "--save-every", "1000",
            "--track-every", "0", "--spill-dir", str(out.parent / "spill"), *extra]
-    cg, preexec = _cgroup(cap, limit)
+    cg, preexec = child_cgroup(cap, limit, "tightfit-spike-cli")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     with open(out.parent / f"{out.name}.log", "w") as log:
@@ -123,7 +123,7 @@ def train(label: str, out: Path, model: Path, data: Path, ns: argparse.Namespace
         anon.stop()
     wall = time.perf_counter() - t0
     rc = os.waitstatus_to_exitcode(status)
-    peak, kills = _cgroup_figures(cap, cg)
+    peak, kills = cgroup_figures(cap, cg)
     text = (out.parent / f"{out.name}.log").read_text(errors="replace")
     done = len(re.findall(r"step \d+ done:", text))
     run = Run(label, rc, rc in (-9, 137), done, usage.ru_maxrss * 1024, peak, kills, wall,
@@ -188,42 +188,6 @@ class AnonPeak:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
-
-
-def _cgroup(cap: Cap, limit: int | None):  # noqa: ANN202 - (folder, preexec_fn)
-    if not cap.kind.startswith("cgroup"):
-        return None, None
-    cg = cap.base / f"tightfit-spike-cli-{os.getpid()}-{time.monotonic_ns()}"  # type: ignore[operator]
-    cg.mkdir()
-    if limit is not None:
-        if cap.kind == "cgroup-v2":
-            (cg / "memory.max").write_text(str(limit))
-            if (cg / "memory.swap.max").exists():
-                (cg / "memory.swap.max").write_text("0")
-        else:
-            (cg / "memory.limit_in_bytes").write_text(str(limit))
-    procs = str(cg / "cgroup.procs")
-
-    def join() -> None:  # in the child, before exec
-        with open(procs, "w") as f:
-            f.write(str(os.getpid()))
-
-    return cg, join
-
-
-def _cgroup_figures(cap: Cap, cg: Path | None) -> tuple[int | None, int | None]:
-    if cg is None:
-        return None, None
-    if cap.kind == "cgroup-v2":
-        peak = int((cg / "memory.peak").read_text()) if (cg / "memory.peak").exists() else None
-        events = dict(x.split() for x in (cg / "memory.events").read_text().splitlines())
-        kills = int(events.get("oom_kill", 0))
-    else:
-        peak = int((cg / "memory.max_usage_in_bytes").read_text())
-        ctl = dict(x.split() for x in (cg / "memory.oom_control").read_text().splitlines())
-        kills = int(ctl.get("oom_kill", 0))
-    cg.rmdir()
-    return peak, kills
 
 
 # ---------------------------------------------------------------------------- figures

@@ -11,7 +11,7 @@ import torch
 
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.layout import Page
-from tightfit.tiers.integrity import CorruptStateError, checksum, zeros_checksum
+from tightfit.tiers.integrity import CorruptStateError, page_checksum, zeros_checksum
 
 PAGE = 16 << 10
 SIZES = [3000, 5000, 4097, 9000]  # 11 pages; with 4 pages of budget, 7 live on disk
@@ -157,5 +157,5 @@ def test_clean_pages_pass_through_evictions_and_restores(tmp_path) -> None:
         opt.step()
     for page in store.pages:
         if page.tier == "disk":
-            assert checksum(store.read_page(page)) == page.spill_checksum
+            assert page_checksum(store.read_page(page)) == page.spill_checksum
     opt.close()

@@ -1,12 +1,20 @@
-"""The checksum: one flipped bit anywhere changes it, a copy hashed in chunks gives the same
-value as the bytes hashed whole, and what is not a page's bytes is refused by name."""
+"""The checksums: one flipped bit anywhere changes them, a disk page's striped checksum is the
+same whether hashed alone or while copied (on several threads), a helper thread's error is the
+caller's, and what is not a page's bytes is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tightfit.tiers.integrity import checksum, copy_and_checksum, zeros_checksum
+from tightfit.tiers import integrity
+from tightfit.tiers.integrity import (
+    STRIPE,
+    checksum,
+    copy_and_checksum,
+    page_checksum,
+    zeros_checksum,
+)
 
 
 def test_any_flipped_bit_changes_the_checksum() -> None:
@@ -23,13 +31,48 @@ def test_any_flipped_bit_changes_the_checksum() -> None:
     assert zeros_checksum(4096) == checksum(torch.zeros(4096, dtype=torch.uint8))
 
 
-def test_copy_and_checksum_copies_and_hashes_what_landed() -> None:
-    src = torch.randn(1_000_003).view(torch.uint8)[:-3]  # not a multiple of the chunk
-    dst = torch.empty_like(src)
-    assert copy_and_checksum(dst, src) == checksum(src)
-    assert torch.equal(dst, src)
+def test_a_page_of_one_stripe_has_the_plain_checksum() -> None:
+    data = torch.randn(300_000).view(torch.uint8)
+    assert page_checksum(data) == checksum(data)
+    dst = torch.empty_like(data)
+    assert copy_and_checksum(dst, data) == checksum(data) and torch.equal(dst, data)
     with pytest.raises(ValueError, match="bytes to"):
-        copy_and_checksum(dst[:10], src)
+        copy_and_checksum(dst[:10], data)
+
+
+def test_striped_page_checksum_sees_every_stripe_and_matches_the_copy() -> None:
+    src = torch.randn((2 * STRIPE + 12_345) // 4).view(torch.uint8)  # 3 stripes, one partial
+    dst = torch.zeros_like(src)
+    clean = copy_and_checksum(dst, src)
+    assert torch.equal(dst, src) and clean == page_checksum(src) == page_checksum(dst)
+    assert clean != checksum(src)  # the digest of the stripes' digests, not the plain one
+    for pos in (0, STRIPE - 1, STRIPE, 2 * STRIPE, src.numel() - 1):
+        src[pos] ^= 1
+        assert page_checksum(src) != clean, pos
+        src[pos] ^= 1
+    # two stripes swapped: same bytes, other order
+    swapped = torch.cat([src[STRIPE : 2 * STRIPE], src[:STRIPE], src[2 * STRIPE :]])
+    assert page_checksum(swapped) != clean
+    n = 2 * STRIPE + 4096
+    assert zeros_checksum(n) == page_checksum(torch.zeros(n, dtype=torch.uint8))
+
+
+def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypatch) -> None:
+    src = torch.randn(4 * STRIPE // 4).view(torch.uint8)
+    real, calls = integrity.checksum, []
+
+    def flaky(data: torch.Tensor) -> int:
+        calls.append(data.numel())
+        if len(calls) == 2:
+            raise OSError(5, "disk read failed")
+        return real(data)
+
+    monkeypatch.setattr(integrity, "checksum", flaky)
+    with pytest.raises(OSError, match="disk read failed"):
+        copy_and_checksum(torch.empty_like(src), src)
+    assert len(calls) == 4  # every stripe ran (or was running) before the error went on
+    pool, _ = integrity._pool()
+    assert pool.submit(lambda: 1).result(timeout=5) == 1  # the pool lives on
 
 
 def test_what_is_not_a_pages_bytes_is_refused() -> None:

@@ -27,10 +27,10 @@ import torch
 
 from tightfit.paging.layout import Page
 from tightfit.tiers.integrity import (
-    ALGORITHM,
+    PAGE_ALGORITHM,
     CorruptStateError,
-    checksum,
     copy_and_checksum,
+    page_checksum,
     zeros_checksum,
 )
 from tightfit.tiers.spill import SpillArea
@@ -62,12 +62,12 @@ def verify(spill: SpillArea, page: Page, data: torch.Tensor, found: int | None =
             f"{page.spill_lost}. It was not used; {_RESUME}"
         )
     if found is None:
-        found = checksum(data)
+        found = page_checksum(data)
     if found != page.spill_checksum:
         expected = "none" if page.spill_checksum is None else f"{page.spill_checksum:#018x}"
         raise CorruptStateError(
             f"the optimizer state of {describe(page)} read back from {_where(spill, page)} "
-            f"does not match its checksum ({ALGORITHM} {expected} written, {found:#018x} "
+            f"does not match its checksum ({PAGE_ALGORITHM} {expected} written, {found:#018x} "
             f"read): the file was changed outside this optimizer (a disk or memory fault, "
             f"another process writing it). The bad state was not used; {_RESUME}"
         )
@@ -105,7 +105,7 @@ def write(
     region = spill.region(page.group, page.spill_offset, page.nbytes)
     try:
         page.copy_state(region, data, copy)
-        page.spill_checksum = checksum(region)
+        page.spill_checksum = page_checksum(region)
         page.spill_lost = None
     except BaseException as exc:
         page.spill_lost = f"writing it failed ({type(exc).__name__}: {exc})"

@@ -1,8 +1,8 @@
 """What the disk tier's checksums cost: candidates on 8 MiB pages, and paged steps with them on/off.
 
 1. Candidates, per 8 MiB page, from RAM larger than the caches (as a step sees pages): a bare
-   copy, XXH3-64 after the copy, ``copy_and_checksum`` (the copy hashed chunk by chunk while in
-   cache, what the pager does), zlib's CRC-32 and a torch ``int64`` sum.
+   copy, XXH3-64 after the copy, ``copy_and_checksum`` (what the pager does: stripes copied and
+   hashed on two threads), zlib's CRC-32 and a torch ``int64`` sum; and XXH3-64 in cache.
 2. PagedAdamW at 50 % and 10 % resident (``benchmarks/optimizer.py``'s setup: one 50M-param
    tensor, 8 MiB pages), checksums on and off round-robin in one process. "Off" swaps the
    pager's hash functions for a plain copy inside this script only; there is no such option.
@@ -68,9 +68,9 @@ def candidates(pages: int, rounds: int) -> list[str]:
         return zlib.crc32(memoryview(t.numpy()))
 
     ways: dict[str, Callable[[torch.Tensor], object]] = {
-        "copy only": lambda s: dst.copy_(s),
+        "copy only (torch, 1 thread)": lambda s: dst.copy_(s),
         "copy, then XXH3-64 of the copy": lambda s: (dst.copy_(s), checksum(dst)),
-        "copy_and_checksum (XXH3-64 per 256 KiB chunk while in cache)":
+        "copy_and_checksum (4 MiB stripes on 2 threads, each hashed after its copy)":
             lambda s: copy_and_checksum(dst, s),
         "XXH3-64 alone": checksum,
         "zlib.crc32 alone": crc,

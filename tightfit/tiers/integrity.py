@@ -1,13 +1,13 @@
 """Checksums of state bytes that leave RAM, and the error a mismatch raises.
 
-Every page written to the disk tier gets a checksum, verified when it is read back (and saved
-files may carry the same checksum per page). The checksum is 64-bit XXH3 (the ``xxhash``
-package), chosen by measured speed (``benchmarks/results/checksums.md``): on 8 MiB pages read
-from RAM it hashed at ~4-6 GiB/s on one core of the 2-core build machine, 3 x zlib's CRC-32; a
-torch ``int64`` sum was as fast or faster but is order-blind (two opposite bit flips cancel)
-and, run from the copy worker, competes with the update for torch's intra-op threads. XXH3
-releases the GIL, so the copy worker hashes while the update runs (``docs/paging.md``, "Failure
-and integrity").
+Every page written to the disk tier gets a checksum, verified when it is read back; saved files
+carry a checksum per page too. The checksum is 64-bit XXH3 (the ``xxhash`` package), chosen by
+measured speed (``benchmarks/results/checksums.md``): ~10 GiB/s per core on pages read from RAM
+and ~27 GiB/s in cache on the 2-core build machine, 3-4 x zlib's CRC-32; a torch ``int64`` sum
+is a little faster but order-blind (two opposite bit flips cancel). A disk page is copied and
+hashed in :data:`STRIPE` stripes on several threads (:func:`copy_and_checksum`), so a page read
+back from a real disk faults its stripes in in parallel, as torch's multi-threaded copy does
+when checksums are off; XXH3 releases the GIL, so the hashing overlaps the update.
 """
 
 from __future__ import annotations

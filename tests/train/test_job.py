@@ -1,4 +1,5 @@
-"""``tightfit train`` under torchrun: 2 gloo ranks with --fsdp, resumed in one plain process."""
+"""``tightfit train`` under torchrun: 2 gloo ranks with --fsdp, resumed in one plain process;
+2 DDP ranks, each keeping its own target and watch."""
 
 from __future__ import annotations
 
@@ -125,3 +126,24 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     moved = max((b[k] - torch.zeros_like(b[k])).abs().max().item() for k in b if "lora_B" in k)
     assert moved > 1e-3  # lora_B starts at zero: the adapters did train
+
+
+@pytest.mark.slow
+def test_ddp_ranks_each_keep_a_target_and_a_watch(model_dir, tmp_path) -> None:
+    # the same run as DDP (no --fsdp): the spike protection is per rank there too, each rank
+    # with its own optimizer, target and watch reading its own probe (issue 19)
+    out = tmp_path / "ddp"
+    try:
+        res = run_torchrun(
+            ["tightfit.cli", "train", "--model", str(model_dir), "--out", str(out),
+             "--steps", "2", "--target", "4GiB", *ARGS],
+            2, module=True, timeout_s=240,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun train timed out (killed):\n{exc.stderr}")
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    ranks = report["meta"]["ranks"]
+    assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == "ddp"
+    assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
+    assert all(r["target_bytes"] == 4 << 30 and r["watch_reads"] > 0 for r in ranks), ranks

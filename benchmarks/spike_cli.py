@@ -225,7 +225,7 @@ def write_report(ns: argparse.Namespace, cap: Cap, runs: dict[str, Run], **k: ob
     lines = [
         "# `tightfit train` under a memory cap: spikes from a few long examples",
         "",
-        f"Command: `.venv/bin/python benchmarks/spike_cli.py{' --quick' if ns.quick else ''}` "
+        f"Command: `.venv/bin/python benchmarks/spike_cli.py{_args_text()}` "
         f"(commit {k['commit']})",
         "",
         f"- machine: {k['machine']} (shared with other work: compare ratios and the in-run "
@@ -276,6 +276,21 @@ def write_report(ns: argparse.Namespace, cap: Cap, runs: dict[str, Run], **k: ob
                  "not compared (the capped run did not complete)") + ".", ""]
     lines += _cost_lines(runs, mib(k["roomy"]))
     return "\n".join(lines) + "\n"
+
+
+def _args_text() -> str:
+    """This run's command-line options but ``--out`` (where the file went), for the header."""
+    args, out = sys.argv[1:], []
+    skip = False
+    for a in args:
+        if skip or a.startswith("--out="):
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        out.append(a)
+    return "".join(f" {a}" for a in out)
 
 
 def _cost_lines(runs: dict[str, Run], roomy: str) -> list[str]:

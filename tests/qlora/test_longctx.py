@@ -143,6 +143,9 @@ def test_a_budget_no_plan_meets_names_the_smallest_peak_and_leaves_no_plan(base:
         tightfit.prepare(target, example=example, device="cpu", lora=LORA,
                          checkpoint_budget=1 << 20)
     assert "checkpoint_budget" in str(e.value)
+    # the error says the module passed in was changed in place, and what to do
+    assert any("changed the model passed to it in place" in n and "nf4" in n
+               and "load it again" in n for n in e.value.__notes__)
     # the tiles and the sized loss chunk are taken back; no checkpoint plan is left
     assert tiling_of(target) is None and not is_enabled(target)
     assert is_chunked_loss_enabled(target)  # the chunked loss prepare installed, unsized

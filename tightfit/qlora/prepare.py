@@ -27,16 +27,10 @@ from torch import nn
 
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.qlora.coverage import coverage_notes
-from tightfit.qlora.experts import (
-    check_experts,
-    expert_modules,
-    expert_weight_names,
-    quantize_experts,
-)
+from tightfit.qlora.experts import check_experts, expert_modules, expert_weight_names
 from tightfit.qlora.longctx import check_inputs, plan_activations
 from tightfit.qlora.options import LoraOptions, PrepareOptions
-from tightfit.qlora.quantize import _output_head_names, linear4bit_layers, quantize_linears
-from tightfit.qlora.state4bit import take_saved_quant_state
+from tightfit.qlora.quantize import _output_head_names, quantize_base
 
 
 @dataclass
@@ -214,6 +208,9 @@ def prepare(
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad options or model, before any change.
+            Only the planner's checks (a ``checkpoint_budget`` no plan meets) run once the
+            model is quantized; their error then carries a note that the module passed in
+            was changed in place and must be loaded again (a folder path is loaded afresh).
     """
     if options is None:
         options = PrepareOptions(
@@ -249,9 +246,37 @@ def _prepare(
     info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
+    try:
+        return _change(model, options, lora_opts, targets, expert_targets, example, dev, info)
+    except Exception as exc:
+        if model is model_or_path:  # the caller's module, changed in place by now
+            changed = ["its base frozen"]
+            changed += [f"its linears in {options.quant}"] if options.quant else []
+            changed += ["LoRA adapters added"] if lora_opts is not None else []
+            exc.add_note(
+                f"prepare() had already changed the model passed to it in place "
+                f"({', '.join(changed)}): load it again before the next try (a model folder "
+                "path is loaded afresh by each call)"
+            )
+        raise
+
+
+def _change(
+    model: nn.Module,
+    options: PrepareOptions,
+    lora_opts: LoraOptions | None,
+    targets: list[str],
+    expert_targets: list[str],
+    example: Mapping[str, Any] | torch.Tensor | None,
+    dev: torch.device,
+    info: PrepareInfo,
+) -> nn.Module:
+    """Steps 2-5 of :func:`prepare`, once everything that can be checked up front was."""
     # -- 2. frozen base, 4-bit linears and experts; 3. LoRA -----------------------------
-    info.quantized = _quantize_base(model, options, cdtype, dev,
-                                    train_base=lora_opts is None and options.quant is None)
+    info.quantized = quantize_base(
+        model, quant=options.quant, double_quant=options.double_quant,
+        blocksize=options.blocksize, compute_dtype=info.compute_dtype, device=dev,
+        train_base=lora_opts is None and options.quant is None)  # fmt: skip
     if lora_opts is not None:
         model = _add_lora(model, lora_opts, targets, expert_targets)
     info.notes += coverage_notes(model, quantized=options.quant is not None,
@@ -289,50 +314,6 @@ def _take_model(model_or_path: nn.Module | str | os.PathLike[str]) -> nn.Module:
         f"prepare() takes an nn.Module or a model folder path, got "
         f"{type(model_or_path).__name__}."
     )
-
-
-def _quantize_base(
-    model: nn.Module,
-    options: PrepareOptions,
-    cdtype: torch.dtype,
-    dev: torch.device,
-    *,
-    train_base: bool,
-) -> list[str]:
-    """Freeze the base (unless ``train_base``), swap its linears for 4-bit ones, store its
-    MoE experts in 4 bits, move it.
-
-    Returns:
-        The qualified names of the layers and expert weights now in 4 bits.
-    """
-    for p in model.parameters():
-        p.requires_grad_(train_base)
-    quantized: list[str] = []
-    if options.quant is not None:
-        quantized = quantize_linears(
-            model,
-            quant_type=options.quant,
-            double_quant=options.double_quant,
-            compute_dtype=cdtype,
-            blocksize=options.blocksize,
-            device=dev,
-        )
-        quantized += quantize_experts(
-            model,
-            quant_type=options.quant,
-            double_quant=options.double_quant,
-            blocksize=options.blocksize,
-            compute_dtype=cdtype,
-            device=dev,
-        )
-    # The unquantized rest (embeddings, norms, head) in the compute dtype, on the device.
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != cdtype:
-            p.data = p.data.to(cdtype)
-    model.to(dev)
-    for _, layer in linear4bit_layers(model):  # its state dict loads back (accelerate's
-        take_saved_quant_state(layer)  # load_state): the saved quant state is taken
-    return quantized
 
 
 def _add_lora(

@@ -1,4 +1,5 @@
-"""Swap a model's linear layers for bitsandbytes 4-bit ``Linear4bit`` (NF4/FP4, double quant).
+"""Swap a model's linear layers for bitsandbytes 4-bit ``Linear4bit`` (NF4/FP4, double quant),
+and :func:`quantize_base`: the whole frozen base in 4 bits (linears and MoE experts) on its device.
 
 bitsandbytes does the math (blockwise quantization, the nested quantization of the absmax
 constants, the dequantize-matmul); this module only decides which layers and moves weights.
@@ -12,6 +13,9 @@ from collections.abc import Iterator
 import bitsandbytes as bnb
 import torch
 from torch import nn
+
+from tightfit.qlora.experts import quantize_experts
+from tightfit.qlora.state4bit import take_saved_quant_state
 
 
 def _output_head_names(model: nn.Module) -> set[str]:
@@ -97,3 +101,40 @@ def linear4bit_layers(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             yield name, module
+
+
+def quantize_base(
+    model: nn.Module,
+    *,
+    quant: str | None,
+    double_quant: bool,
+    blocksize: int,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    train_base: bool,
+) -> list[str]:
+    """Freeze the base (unless ``train_base``), swap its linears for 4-bit ones and store its
+    MoE experts in 4 bits (``quant``: ``"nf4"``, ``"fp4"``, or ``None`` for neither), put the
+    rest in ``compute_dtype`` and move it all to ``device``.
+
+    Returns:
+        The qualified names of the layers and expert weights now in 4 bits.
+    """
+    for p in model.parameters():
+        p.requires_grad_(train_base)
+    quantized: list[str] = []
+    if quant is not None:
+        quantized = quantize_linears(model, quant_type=quant, double_quant=double_quant,
+                                     compute_dtype=compute_dtype, blocksize=blocksize,
+                                     device=device)  # fmt: skip
+        quantized += quantize_experts(model, quant_type=quant, double_quant=double_quant,
+                                      blocksize=blocksize, compute_dtype=compute_dtype,
+                                      device=device)  # fmt: skip
+    # The unquantized rest (embeddings, norms, head) in the compute dtype, on the device.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != compute_dtype:
+            p.data = p.data.to(compute_dtype)
+    model.to(device)
+    for _, layer in linear4bit_layers(model):  # its state dict loads back (accelerate's
+        take_saved_quant_state(layer)  # load_state): the saved quant state is taken
+    return quantized

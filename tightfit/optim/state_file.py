@@ -127,8 +127,8 @@ def _sync_folder(folder: str) -> None:
 
 
 def _corrupt(path: str, what: str) -> CorruptStateError:
-    return CorruptStateError(f"the saved optimizer state {path!r} is damaged: {what}. Nothing "
-                             f"was loaded; {_AGAIN}")
+    what = f"the saved optimizer state {path!r} is damaged: {what}"
+    return CorruptStateError(f"{what}. Nothing was loaded; {_AGAIN}", what)
 
 
 def _read_header(f: IO[bytes], path: str, size: int) -> tuple[int, dict[str, Any]]:
@@ -234,12 +234,11 @@ def _read_page(f: IO[bytes], path: str, page: Page, buf: torch.Tensor, version: 
         (want,) = _SUM.unpack(raw)
         found = checksum(data)
         if found != want:
-            raise CorruptStateError(
-                f"the optimizer state of {describe(page)} in the saved file {path!r} (bytes "
-                f"{at}..{at + page.nbytes - 1}) does not match its checksum ({ALGORITHM} "
-                f"{want:#018x} saved, {found:#018x} read): the file was damaged after it was "
-                f"written (a disk or memory fault, a partial copy). Nothing was loaded; {_AGAIN}"
-            )
+            what = (f"the optimizer state of {describe(page)} in the saved file {path!r} (bytes "
+                    f"{at}..{at + page.nbytes - 1}) does not match its checksum ({ALGORITHM} "
+                    f"{want:#018x} saved, {found:#018x} read): the file was damaged after it "
+                    "was written (a disk or memory fault, a partial copy)")
+            raise CorruptStateError(f"{what}. Nothing was loaded; {_AGAIN}", what)
     return data
 
 

@@ -35,15 +35,20 @@ from tightfit.tiers.integrity import (
 )
 from tightfit.tiers.spill import SpillArea
 
+_NAMED = 3  # params a page's description names one by one
 _RESUME = "restart from your last saved state (opt.load(path), tightfit train --resume)"
 
 
 def describe(page: Page) -> str:
-    """``'page 12 (param group 0: param 3 elements 0..1048575, param 4 all 4096)'``."""
+    """``'page 12 (param group 0: param 3 elements 0..1048575, param 4 elements 0..4095)'``;
+    past three params, ``'..., 25 more params (3..27))'``."""
     parts = []
-    for seg in page.segments:
+    for seg in page.segments[:_NAMED]:
         end = seg.start + seg.length - 1
         parts.append(f"param {seg.param} elements {seg.start}..{end}")
+    if len(page.segments) > _NAMED:  # a page of many small params: the rest by index range
+        rest = page.segments[_NAMED:]
+        parts.append(f"{len(rest)} more params ({rest[0].param}..{rest[-1].param})")
     return f"page {page.index} (param group {page.group}: {', '.join(parts) or 'no params'})"
 
 

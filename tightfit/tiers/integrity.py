@@ -28,7 +28,17 @@ PAGE_ALGORITHM = f"{ALGORITHM} of {STRIPE >> 20} MiB stripes"  # what page_check
 
 class CorruptStateError(RuntimeError):
     """State bytes read back from a slower tier (or a file) do not match their checksum, or
-    could not be written there: the state they hold is lost, and is never used."""
+    could not be written there: the state they hold is lost, and is never used.
+
+    Args:
+        message: The whole message: what is wrong, then what to do.
+        what: What is wrong alone (default: ``message``), for callers that say what to do in
+            their own words (``tightfit train --resume``).
+    """
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = message if what is None else what
 
 
 def _check_bytes(data: torch.Tensor) -> None:

@@ -250,7 +250,10 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     try:
         load_optimizer(optimizer, folder / OPTIMIZER)
     except (ValueError, CorruptStateError, OSError, EOFError) as exc:
-        raise _unusable(folder, f"{OPTIMIZER} is refused: {exc}") from None
+        # the optimizer's own advice (save it again, load another) is not the CLI's: say only
+        # what is wrong, and _unusable says what to do
+        what = exc.what if isinstance(exc, CorruptStateError) else str(exc)
+        raise _unusable(folder, f"{OPTIMIZER} is refused: {what}") from None
     result = set_peft_model_state_dict(model, weights)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:

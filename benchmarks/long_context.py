@@ -30,7 +30,6 @@ Run: ``.venv/bin/python benchmarks/long_context.py`` (writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -164,8 +163,9 @@ class Probe:
             return False
         info = getattr(model, "tightfit_info", None)
         if info is not None and info.plan is not None:
-            rec["predicted"] = info.plan.predicted_peak_bytes
             rec["plan"] = _plan_summary(info)
+            if self.stack == "long":  # "now" keeps the plan made for its first length
+                rec["predicted"] = info.plan.predicted_peak_bytes
         try:
             loss, peak, seconds = step(model, batch, self.a.device)
         except (MemoryError, RuntimeError) as e:  # a CUDA OOM: does not fit
@@ -262,42 +262,17 @@ def run_capped(stack: str, folder: Path, a: argparse.Namespace, cap: int | None)
 
 def _child(stack: str, args: list[str], cap: object, cap_bytes: int | None, log: Path) -> dict:
     """One child, under ``cap_bytes`` in a fresh memory cgroup (``spike.run_child``'s way)."""
+    from spike import cgroup_figures, child_cgroup
+
     cmd_args = [*args, "--log", str(log)]
-    cg = None
-    preexec = None
-    if cap.kind.startswith("cgroup"):  # type: ignore[attr-defined]
-        # uncapped runs get a cgroup too (without a limit): their charge is measured alike
-        cg = cap.base / f"tightfit-longctx-{os.getpid()}-{time.monotonic_ns()}"  # type: ignore[attr-defined]
-        cg.mkdir()
-        limit = "memory.max" if cap.kind == "cgroup-v2" else "memory.limit_in_bytes"  # type: ignore[attr-defined]
-        if cap_bytes is not None:
-            (cg / limit).write_text(str(cap_bytes))
-        swap = cg / ("memory.swap.max" if cap.kind == "cgroup-v2" else "memory.memsw.limit_in_bytes")  # type: ignore[attr-defined]
-        if swap.exists() and cap_bytes is not None:
-            with contextlib.suppress(OSError):  # no swap accounting: RAM alone is capped
-                swap.write_text("0" if cap.kind == "cgroup-v2" else str(cap_bytes))  # type: ignore[attr-defined]
-        procs = str(cg / "cgroup.procs")
-
-        def preexec() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
+    # uncapped runs get a cgroup too (without a limit): their charge is measured alike
+    cg, preexec = child_cgroup(cap, cap_bytes, "tightfit-longctx")  # type: ignore[arg-type]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stack, *cmd_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, preexec_fn=preexec, cwd=HERE.parent)
     _, status, usage = os.wait4(proc.pid, 0)
     rc = os.waitstatus_to_exitcode(status)
-    oom = peak = None
-    if cg is not None:
-        peak_file = cg / ("memory.peak" if cap.kind == "cgroup-v2" else "memory.max_usage_in_bytes")  # type: ignore[attr-defined]
-        if peak_file.exists():
-            peak = int(peak_file.read_text())
-        if cap.kind == "cgroup-v2":  # type: ignore[attr-defined]
-            events = dict(x.split() for x in (cg / "memory.events").read_text().splitlines())
-        else:
-            events = dict(x.split() for x in (cg / "memory.oom_control").read_text().splitlines())
-        oom = int(events.get("oom_kill", 0))
-        cg.rmdir()
+    peak, oom = cgroup_figures(cap, cg)  # type: ignore[arg-type]
     records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     return {"rc": rc, "killed": rc in (-9, 137), "oom_kills": oom, "cap": cap_bytes,
             "cap_kind": cap.kind, "maxrss": usage.ru_maxrss * 1024,  # type: ignore[attr-defined]

@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -111,6 +112,8 @@ def child_cgroup(cap: Cap, limit: int | None, name: str):  # noqa: ANN201 - (fol
                 (cg / "memory.swap.max").write_text("0")
         else:
             (cg / "memory.limit_in_bytes").write_text(str(limit))
+            with contextlib.suppress(OSError):  # no swap accounting: RAM alone is capped
+                (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
     procs = str(cg / "cgroup.procs")
 
     def join() -> None:  # in the child, before exec

@@ -4,6 +4,9 @@ caller's, and what is not a page's bytes is refused by name."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -80,3 +83,23 @@ def test_what_is_not_a_pages_bytes_is_refused() -> None:
         checksum(torch.zeros(10))
     with pytest.raises(ValueError, match="non-contiguous"):
         checksum(torch.zeros(10, dtype=torch.uint8)[::2])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_its_own_hash_pool() -> None:
+    src = torch.randn(2 * STRIPE // 4).view(torch.uint8)
+    want = page_checksum(src)  # the parent's pool now has a thread
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool thread is not here; a new pool must serve
+        code = 0 if page_checksum(src) == want else 1
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("page_checksum hung in a forked child")

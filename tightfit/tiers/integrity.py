@@ -67,6 +67,10 @@ def _pool() -> tuple[ThreadPoolExecutor, int]:
     return ThreadPoolExecutor(n, "tightfit-hash"), n
 
 
+if hasattr(os, "register_at_fork"):  # a forked child has the pool's objects, not its threads
+    os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
     """Run ``one`` on every :data:`STRIPE` of a page of ``nbytes`` bytes, the calling thread
     and the hash pool taking stripes in turn, and combine the stripes' digests in order."""

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -100,33 +101,55 @@ def disk_bytes(path: str | os.PathLike[str]) -> int:
     return total
 
 
-def remove_stale(parent: str, prefix: str) -> list[Removed]:
-    """Remove the folders in ``parent`` named ``prefix*`` whose owner process is gone.
+def remove_dead(
+    folder: str | os.PathLike[str], owner_of: Callable[[os.DirEntry[str]], Owner | None]
+) -> list[Removed]:
+    """Remove the entries of ``folder`` that ``owner_of`` gives an owner whose process is gone.
 
-    Only folders of this user with a readable owner file of this host whose process no longer
-    exists are removed. A folder that cannot be removed (a permission, a race with another
+    Only entries of this user whose owner is a process of this host that no longer exists are
+    removed (files, or folders with all they hold); ``owner_of`` returns ``None`` for entries
+    that are not its to judge. What cannot be removed (a permission, a race with another
     cleaner) is left as it is.
 
     Returns:
-        What was removed.
+        What was removed (path, the owner's pid, the disk bytes freed).
     """
     removed: list[Removed] = []
     try:
-        entries = list(os.scandir(parent))
+        entries = list(os.scandir(folder))
     except OSError:
         return removed
     for entry in entries:
         try:
-            if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            owner = owner_of(entry)
+            if owner is None or entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            owner = read_owner(entry.path)
-            if owner is None or is_alive(owner):
+            if is_alive(owner):
                 continue
             nbytes = disk_bytes(entry.path)
-            shutil.rmtree(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
         except OSError:
             continue
         removed.append(Removed(entry.path, owner.pid, nbytes))
     return removed
+
+
+def remove_stale(parent: str, prefix: str) -> list[Removed]:
+    """Remove the folders in ``parent`` named ``prefix*`` whose owner process is gone.
+
+    Only folders of this user with a readable owner file of this host whose process no longer
+    exists are removed (:func:`remove_dead`).
+
+    Returns:
+        What was removed.
+    """
+
+    def owner_file(entry: os.DirEntry[str]) -> Owner | None:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            return None
+        return read_owner(entry.path)
+
+    return remove_dead(parent, owner_file)

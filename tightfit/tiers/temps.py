@@ -19,12 +19,10 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import socket
 import zlib
-from pathlib import Path
 
-from tightfit.tiers.owner import Owner, Removed, disk_bytes, is_alive, this_process
+from tightfit.tiers.owner import Owner, Removed, remove_dead, this_process
 
 # p<pid>.s<start time, ms>.h<crc32 of the host name>: letters and digits only, any file system
 _TOKEN = re.compile(r"p(\d+)\.s(\d+)\.h([0-9a-f]{8})")
@@ -71,25 +69,6 @@ def remove_stale_temps(folder: str | os.PathLike[str], prefixes: tuple[str, ...]
     Returns:
         What was removed (path, the owner's pid, the disk bytes freed).
     """
-    removed: list[Removed] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        owner = next((o for p in prefixes if (o := owner_of(entry.name, p)) is not None), None)
-        if owner is None:
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or is_alive(owner):
-                continue
-            path = Path(entry.path)
-            nbytes = disk_bytes(path)
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        except OSError:
-            continue
-        removed.append(Removed(entry.path, owner.pid, nbytes))
-    return removed
+    return remove_dead(
+        folder, lambda e: next((o for p in prefixes if (o := owner_of(e.name, p)) is not None), None)
+    )

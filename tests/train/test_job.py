@@ -67,28 +67,34 @@ def model_dir(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.slow
-def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, tmp_path) -> None:
-    from tightfit.cli import main
-
-    sharded = tmp_path / "fsdp"
+def _two_ranks_with_a_target(model_dir: Path, out: Path, strategy: str) -> None:
+    """``tightfit train`` on 2 torchrun ranks (``--fsdp`` for ``"fsdp"``) for 2 steps with
+    ``--target 4GiB``; checks the report: both ranks paged, each kept a target and a watch."""
     try:
         res = run_torchrun(
-            ["tightfit.cli", "train", "--model", str(model_dir), "--out", str(sharded),
-             "--steps", "2", "--fsdp", "--target", "4GiB", *ARGS],
+            ["tightfit.cli", "train", "--model", str(model_dir), "--out", str(out),
+             "--steps", "2", *(["--fsdp"] if strategy == "fsdp" else []), "--target", "4GiB",
+             *ARGS],
             2, module=True, timeout_s=240,
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun train timed out (killed):\n{exc.stderr}")
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.count("wrote ") == 1  # rank 0 alone prints the report
-
-    report = json.loads((sharded / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     ranks = report["meta"]["ranks"]
-    assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == "fsdp"
+    assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == strategy
     assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
     # every rank keeps its device under the target: a target and a watch reading its probe
     assert all(r["target_bytes"] == 4 << 30 and r["watch_reads"] > 0 for r in ranks), ranks
+
+
+@pytest.mark.slow
+def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, tmp_path) -> None:
+    from tightfit.cli import main
+
+    sharded = tmp_path / "fsdp"
+    _two_ranks_with_a_target(model_dir, sharded, "fsdp")
     assert (sharded / "memory_ranks.png").is_file()
     saved = sharded / "checkpoints" / "step-00000002"
     assert (saved / "dcp" / ".metadata").is_file()
@@ -132,18 +138,4 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
 def test_ddp_ranks_each_keep_a_target_and_a_watch(model_dir, tmp_path) -> None:
     # the same run as DDP (no --fsdp): the spike protection is per rank there too, each rank
     # with its own optimizer, target and watch reading its own probe (issue 19)
-    out = tmp_path / "ddp"
-    try:
-        res = run_torchrun(
-            ["tightfit.cli", "train", "--model", str(model_dir), "--out", str(out),
-             "--steps", "2", "--target", "4GiB", *ARGS],
-            2, module=True, timeout_s=240,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun train timed out (killed):\n{exc.stderr}")
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    ranks = report["meta"]["ranks"]
-    assert report["meta"]["world_size"] == 2 and report["meta"]["strategy"] == "ddp"
-    assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
-    assert all(r["target_bytes"] == 4 << 30 and r["watch_reads"] > 0 for r in ranks), ranks
+    _two_ranks_with_a_target(model_dir, tmp_path / "ddp", "ddp")

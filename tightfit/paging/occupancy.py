@@ -217,7 +217,7 @@ class OccupancyControl:
         for w in self.watches:
             if not w.active:
                 continue
-            room, freed, _ = w.end_step()
+            room, freed = w.end_step()
             if room is not None:  # the state it began with, plus the room left above that
                 self._holds.append(self.store.device_bytes + freed + room)
             # growth is measured within a step: what the update and a restore add between

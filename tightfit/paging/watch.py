@@ -167,9 +167,7 @@ class PressureWatch:
         """The step-wide margin: fixed, or the larger of 1/16 of the target and twice the
         largest growth seen between two readings. Checks keep it for an interval they know
         nothing of yet (:meth:`margin_at`)."""
-        if self.fixed_margin is not None:
-            return self.fixed_margin
-        return max(self.target_bytes // 16, 2 * self.stats.max_growth_bytes)
+        return self.margin_for(0)
 
     def margin_for(self, tokens: int) -> int:
         """The largest margin any check of a step of ``tokens`` tokens (0: unknown) keeps.
@@ -272,15 +270,15 @@ class PressureWatch:
         self._last_reason = None
         self._last_read_t = -float("inf")
 
-    def end_step(self) -> tuple[int | None, int, int]:
-        """``(room, bytes freed, tokens)`` of the step since the previous call; starts
+    def end_step(self) -> tuple[int | None, int]:
+        """``(room, bytes freed)`` of the step since the previous call; starts
         counting again. The room is the smallest ``target - margin - reading`` of its checks,
         each less the bytes freed before it (``None`` without a reading): how many more bytes
         of state than it began with a step like it could have held without evicting.
 
         The pager calls it between backward and the update.
         """
-        out = (self._step_slack, self._step_freed, self._tokens)
+        out = (self._step_slack, self._step_freed)
         self._step_slack, self._step_freed, self._tokens = None, 0, 0
         return out
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def disk_bytes(path: str | os.PathLike[str]) -> int:
     sparse or fallocated spill file counts what it takes, not its length); symlinks are not
     followed."""
     st = os.lstat(path)
-    if not os.path.isdir(path) or os.path.islink(path):
+    if not stat.S_ISDIR(st.st_mode):  # a file, or a symlink (to a folder, too)
         return st.st_blocks * 512
     total = 0
     for root, dirs, files in os.walk(path):

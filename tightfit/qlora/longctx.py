@@ -28,17 +28,17 @@ bytes it would need (the solver's error), saying what was tried.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tightfit.checkpoint import enable, enable_tiling, profile, tiling_of
-from tightfit.checkpoint.extrapolate import crop, example_length, extrapolate
+from tightfit.checkpoint.extrapolate import crop, example_length, profile_from_crops
 from tightfit.checkpoint.plan import Plan
 from tightfit.checkpoint.solver import min_peak
 from tightfit.qlora.options import PrepareOptions
+from tightfit.tiers.regions import meminfo
 
 CROP_TOKENS = 2048  # tokens of a step (batch × sequence) in the longer crop of a long example
 MIN_CROP_TOKENS = 64
@@ -177,12 +177,8 @@ def machine_room(dev: torch.device) -> int:
 
 
 def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    if (available := meminfo().get("MemAvailable")) is not None:
+        return available
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -223,13 +219,7 @@ def _crops(model: nn.Module, example: Any, room: int) -> tuple[tuple[int, int] |
                          f"{room / _MIB:.1f} MiB free to profile it; free memory or shorten "
                          "the sequences.")
     crops = (t2 // 2, t2)
-    return crops, _crop_profile(model, example, crops)
-
-
-def _crop_profile(model: nn.Module, example: Any, crops: tuple[int, int]) -> Any:
-    t1, t2 = crops
-    p1, p2 = profile(model, crop(example, t1)), profile(model, crop(example, t2))
-    return extrapolate(p1, t1, p2, t2, example_length(example))
+    return crops, profile_from_crops(model, example, crops)
 
 
 def _long_plan(model: nn.Module, options: PrepareOptions, example: Any, info: Any,
@@ -254,7 +244,7 @@ def _long_plan(model: nn.Module, options: PrepareOptions, example: Any, info: An
         if chunk is not None:
             enable_chunked_loss(model, chunk)
             tried.append(f"loss in chunks of {chunk} tokens")
-        prof = profile(model, example) if crops is None else _crop_profile(model, example, crops)
+        prof = profile(model, example) if crops is None else profile_from_crops(model, example, crops)
         plan = enable(model, "budget", budget=capacity, profiled=prof, **tier)
     except ValueError as e:
         if tile is not None:

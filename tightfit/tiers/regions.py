@@ -197,7 +197,8 @@ def _free_disk(folder: str | None) -> int:
         return 0
 
 
-def _meminfo() -> dict[str, int]:
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``{}`` where there is none: not Linux)."""
     out: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as f:
@@ -217,7 +218,7 @@ def tier_capacity(tier: str, spill_dir: str | os.PathLike | None = None) -> int:
     """
     if tier == "disk":
         return _free_disk(None if spill_dir is None else str(spill_dir))
-    info = _meminfo()
+    info = meminfo()
     avail = info.get("MemAvailable")
     if avail is None:
         try:

@@ -332,8 +332,7 @@ def int8_held_bytes(shape: ModelShape, setup: TrainSetup, layer: int, *,
 def rotary_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """The shared rotary cos/sin: one pair per attention type where they differ (Gemma 3's
     local and global layers)."""
-    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
-    return kinds * 2 * setup.seq_len * shape.head_dim * setup.d
+    return shape.rotary_kinds * 2 * setup.seq_len * shape.head_dim * setup.d
 
 
 def recompute_inputs_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -343,8 +342,7 @@ def recompute_inputs_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     when some layer is masked (SDPA skips the mask in the others)."""
     s = setup.seq_len
     if shape.eager_attention:
-        kinds = len({shape.sliding(i) for i in range(shape.layers)})
-        masks = kinds * setup.batch * s * s * setup.d
+        masks = shape.attention_kinds * setup.batch * s * s * setup.d
     else:
         masks = s * s if any(shape.masked(i, s) for i in range(shape.layers)) else 0
     return rotary_bytes(shape, setup) + masks

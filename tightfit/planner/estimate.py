@@ -113,8 +113,7 @@ def base_weight_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
 def rotary_buffer_bytes(shape: ModelShape) -> int:
     """transformers' rotary buffers (fp32 ``inv_freq`` and ``original_inv_freq``; one pair
     per attention type where they differ, Gemma 3's local and global layers)."""
-    kinds = len({shape.sliding(i) for i in range(shape.layers)}) if shape.family == "gemma3" else 1
-    return kinds * 2 * (shape.head_dim // 2) * 4
+    return shape.rotary_kinds * 2 * (shape.head_dim // 2) * 4
 
 
 def adapted_weights(shape: ModelShape, setup: TrainSetup) -> dict[str, tuple[int, int, int]]:

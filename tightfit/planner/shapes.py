@@ -170,6 +170,17 @@ class ModelShape:
         """transformers runs eager attention (no SDPA path for an attention soft-cap)."""
         return self.attn_softcap is not None
 
+    @property
+    def attention_kinds(self) -> int:
+        """Attention types among the layers: 2 where some slide and some attend globally."""
+        return len({self.sliding(i) for i in range(self.layers)})
+
+    @property
+    def rotary_kinds(self) -> int:
+        """Rotary tables transformers keeps: one per attention type in Gemma 3 (its local
+        and global layers differ), else one."""
+        return self.attention_kinds if self.family == "gemma3" else 1
+
     def sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends through a sliding window."""
         if self.sliding_window is None:

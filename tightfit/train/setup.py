@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit.optim.registry import OptimizerOptions, optimizer_for
+from tightfit.optim.registry import OptimizerOptions, optimizer_for, trainable_parameters
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
 from tightfit.train import model as builtin
 from tightfit.train import resume, validate
@@ -73,6 +73,7 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     last_saved: Path | None = None
     memory: StepMemory = field(init=False)
+    trainable: list[torch.Tensor] = field(init=False)  # what gets gradients (and is clipped)
     oom_retries: int = 0
     step_rng: dict[str, Any] = field(default_factory=resume.rng_state)
     rng_done: dict[str, Any] = field(default_factory=resume.rng_state)
@@ -81,15 +82,12 @@ class Run:
 
     def __post_init__(self) -> None:
         self.memory = StepMemory(self.device)
+        # the optimizer exists, so the params are final (sharded where they are): list once
+        self.trainable = trainable_parameters(self.model)
 
     @property
     def device(self) -> torch.device:
         return self.info.device
-
-    @property
-    def trainable(self) -> list[torch.Tensor]:
-        """The parameters that get gradients (what gradient clipping clips)."""
-        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:

@@ -177,7 +177,7 @@ class TrainJob:
 
         if not self.distributed:
             return resume.save_state(out, step, model, optimizer, history)
-        name = f"step-{step:08d}"
+        name = resume.state_name(step)
         states = out / resume.STATES_DIR
         tmp, final = states / f".tmp-{name}-dist", states / name
         if self.is_main:

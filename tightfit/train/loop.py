@@ -124,7 +124,8 @@ def run_steps(run: Run) -> None:
 def _save_after_stop(run: Run) -> str:
     """Save the last completed step unless the newest saved state holds it; say where it is."""
     done = int(run.history[-1]["step"]) if run.history else run.start
-    saved = resume.saved_step(run.last_saved) if run.last_saved is not None else 0
+    # a state this process saved: its step is in its name (no need to hash its files again)
+    saved = resume.state_step(run.last_saved) if run.last_saved is not None else 0
     if done > saved and not run.saving and not run.job.distributed:
         # the RNG as that step left it (a half-done step after it may have drawn from it)
         resume.set_rng_state(run.rng_done)

@@ -123,7 +123,7 @@ def save_state(
     """
     states = out / STATES_DIR
     states.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:08d}"
+    name = state_name(step)
     final = states / name
     tmp = Path(temp_path(states, ".tmp-") + f"-{name}")
     try:
@@ -263,6 +263,17 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         )
     set_rng_state(state["rng"])
     return SavedState(state["step"], list(state["history"]), folder)
+
+
+def state_name(step: int) -> str:
+    """The folder name of step ``step``'s saved state (``step-00000050``)."""
+    return f"step-{step:08d}"
+
+
+def state_step(folder: Path) -> int:
+    """The step of a saved state this process wrote, from its folder's name (:func:`state_name`;
+    nothing is read: :func:`saved_step` verifies a folder found on disk)."""
+    return int(folder.name.removeprefix("step-"))
 
 
 def saved_step(folder: Path) -> int:

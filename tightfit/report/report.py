@@ -28,8 +28,6 @@ from tightfit.report.document import MemoryReport, Piece
 
 __all__ = ["MemoryReport", "Piece", "measure_report", "optimizer_state_bytes"]
 
-MiB = 1 << 20
-
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Optimizer state bytes, and bytes per tier.
@@ -92,9 +90,9 @@ def measure_report(
         base_numel = info.base_numel if info is not None else sum(
             p.numel() for p in model.parameters())
     tiers = optimizer_state_bytes(optimizer) if optimizer is not None else None
-    quantized = pieces.weight_bytes(model).numel > 0
     lora = _has_lora(model, info)
     rows = [_weights_row(model), _constants_row(model)]
+    quantized = rows[0].used  # the base weights' row: in 4 bits, or plain linears
     activations, grads = _activations_row(model, batch, info, without_activation_bytes)
     lora_numel, lora_bytes = pieces.lora_parameter_bytes(model)
     rows.append(Piece(

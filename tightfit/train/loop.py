@@ -157,9 +157,8 @@ def finish(run: Run) -> TrainResult:
     if job.is_main:
         files = {**report.save(out), **files}
         files["loss_png"] = plot_loss(history, out / "loss_curve.png")
-        timeline = plot_timeline(history, out / "memory_timeline.png", optimizer_events(optimizer))
-        if timeline is not None:
-            files["timeline_png"] = timeline
+        files["timeline_png"] = plot_timeline(history, out / "memory_timeline.png",
+                                              optimizer_events(optimizer))
         if job.distributed:
             files["ranks_png"] = plot_ranks(history, out / "memory_ranks.png")
     return TrainResult(out, history, report, files, list(run.info.notes))

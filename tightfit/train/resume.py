@@ -271,8 +271,8 @@ def state_name(step: int) -> str:
 
 
 def state_step(folder: Path) -> int:
-    """The step of a saved state this process wrote, from its folder's name (:func:`state_name`;
-    nothing is read: :func:`saved_step` verifies a folder found on disk)."""
+    """The step of a saved state from its folder's name (:func:`state_name`); nothing is read
+    or verified (:func:`saved_step` does both)."""
     return int(folder.name.removeprefix("step-"))
 
 

@@ -169,7 +169,7 @@ def _check_output_folder(out: Path, t: TrainOptions) -> dict[str, Any] | None:
         if latest is None:
             raise ValueError(f"{str(out)!r} has no complete saved state to resume from; start "
                              "a new run instead of --resume.")
-        done = resume.saved_step(latest)
+        done = resume.state_step(latest)  # its files are verified once, when it is loaded
         if t.steps <= done:
             raise ValueError(f"the run in {str(out)!r} has done {done} steps; pass --steps N "
                              f"with N > {done} to train it further.")

@@ -20,8 +20,7 @@ from tightfit.checkpoint.plan import (
     OffloadTier,
     Plan,
     Segment,
-    offload_all,
-    offload_inputs,
+    apply_offload,
     offload_sizes,
     parse_policy,
     structural_segments,
@@ -148,7 +147,7 @@ def _plan_for(chain: list[nn.Module], policy: str, budget: int | None, prof: Pro
     if prof is None:
         segments = structural_segments(name, k, len(chain))
         if fixed:
-            segments = (offload_all if offload == "all" else offload_inputs)(segments)
+            segments = apply_offload(segments, offload)
         tier = _tier(chain, offload, None, notes, *tier_args)
         return Plan(policy, segments, notes=tuple(notes),
                     tier=tier if any(s.offloads for s in segments) else None)

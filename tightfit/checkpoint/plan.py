@@ -251,6 +251,17 @@ def structural_segments(name: PolicyName, k: int | None, n: int) -> tuple[Segmen
     raise ValueError(f"policy {name!r} needs a profile; use the solver.")
 
 
+def apply_offload(segments: tuple[Segment, ...], mode: object) -> tuple[Segment, ...]:
+    """``segments`` with a fixed offload ``mode`` applied: ``"inputs"`` (or ``True``, the old
+    spelling) :func:`offload_inputs`, ``"all"`` :func:`offload_all`; any other mode
+    (``"none"``, ``False``, ``"auto"``: the budget solver's choice) leaves them as they are."""
+    if mode is True or mode == "inputs":
+        return offload_inputs(segments)
+    if mode == "all":
+        return offload_all(segments)
+    return segments
+
+
 def offload_inputs(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
     """``offload="inputs"``: every checkpointed segment's input waits on the next tier."""
     return tuple(Segment(s.start, s.stop, "checkpoint_offload") if s.kind == "checkpoint" else s
@@ -260,7 +271,7 @@ def offload_inputs(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
 def offload_all(segments: tuple[Segment, ...]) -> tuple[Segment, ...]:
     """``offload="all"``: checkpointed inputs on the next tier, and every stored block's saved
     tensors too, one block a segment (a segment moves and is prefetched whole, so one block
-    each keeps one block's bytes in flight; the planner's ``placed`` cuts them the same way)."""
+    each keeps one block's bytes in flight; the planner applies it too, :func:`apply_offload`)."""
     out: list[Segment] = []
     for s in offload_inputs(segments):
         if s.kind == "stored":

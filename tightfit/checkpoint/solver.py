@@ -33,8 +33,7 @@ from tightfit.checkpoint.plan import (
     OffloadTier,
     Plan,
     Segment,
-    offload_all,
-    offload_inputs,
+    apply_offload,
     parse_policy,
     structural_segments,
 )
@@ -308,10 +307,7 @@ def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload:
         segments = solve_budget(prof, budget, offload=offload, tier=tier, host_budget=host_budget)
     else:
         segments = structural_segments(name, k, len(prof.blocks))
-        if offload is True:
-            segments = offload_inputs(segments)
-        elif offload == "all":
-            segments = offload_all(segments)
+        segments = apply_offload(segments, offload)
     return _plan_of(prof, segments, budget if name == "budget" else None, policy=policy,
                     tier=tier, notes=notes)
 

@@ -13,7 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tightfit.checkpoint.plan import Segment, parse_policy, structural_segments, uniform_segments
+from tightfit.checkpoint.plan import (
+    Segment,
+    apply_offload,
+    parse_policy,
+    structural_segments,
+    uniform_segments,
+)
 from tightfit.planner.activations import (
     backward_transient_bytes,
     final_norm_bytes,
@@ -97,25 +103,10 @@ def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
     )
 
 
-_OFFLOAD_KIND = {"checkpoint": "checkpoint_offload", "stored": "stored_offload"}
-
-
 def placed(segments: tuple[Segment, ...], setup: TrainSetup) -> tuple[Segment, ...]:
-    """``segments`` with ``setup.offload`` applied: ``"inputs"`` makes every ``checkpoint``
-    segment ``checkpoint_offload``; ``"all"`` also cuts every ``stored`` segment into
-    one-layer ``stored_offload`` segments (offload moves and prefetches whole segments,
-    :mod:`tightfit.checkpoint.offload`, so one layer each keeps one layer in flight)."""
-    if setup.offload == "none":
-        return segments
-    out: list[Segment] = []
-    for seg in segments:
-        if seg.kind == "checkpoint":
-            out.append(Segment(seg.start, seg.stop, "checkpoint_offload"))
-        elif seg.kind == "stored" and setup.offload == "all":
-            out += [Segment(i, i + 1, "stored_offload") for i in range(seg.start, seg.stop)]
-        else:
-            out.append(seg)
-    return tuple(out)
+    """``segments`` with ``setup.offload`` applied, as the checkpoint plan applies it
+    (:func:`tightfit.checkpoint.plan.apply_offload`)."""
+    return apply_offload(segments, setup.offload)
 
 
 def _kept(terms: _Terms, seg: Segment) -> int:

@@ -229,7 +229,7 @@ def step_times(folder: Path, tokens: int, a: argparse.Namespace) -> dict[str, fl
 def child_main(a: argparse.Namespace) -> None:
     """``--child STACK``: ``a.cgroup_steps`` steps at ``a.cgroup_tokens``, one JSON line per
     step (a killed run leaves its trace)."""
-    from tightfit.paging.probes import RSSProbe
+    from tightfit.pressure.probes import RSSProbe
 
     folder = Path(a.folder)
     batch = batch_of(a.cgroup_tokens, a)

@@ -112,7 +112,7 @@ def replan(model: torch.nn.Module, batch: dict) -> torch.nn.Module:
     ``batch``, on the same weights and adapters."""
     import tightfit.checkpoint as ck
     from tightfit.loss import disable_chunked_loss, enable_chunked_loss
-    from tightfit.qlora.longctx import plan_activations
+    from tightfit.checkpoint.long_step import plan_activations
 
     info = model.tightfit_info
     ck.disable(model)

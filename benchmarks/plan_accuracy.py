@@ -32,7 +32,7 @@ from tightfit.checkpoint.plan import structural_segments
 from tightfit.planner.mechanisms import unavailable
 from tightfit.planner.peak import plan_peak
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.verify import compare
 
 # The shapes the planner's fitted constants came from (BWD_I / BWD_H16 and the dropout

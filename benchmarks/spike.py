@@ -179,7 +179,7 @@ def run_child(
 def child_main(ns: argparse.Namespace) -> None:
     """One run in its own process; one JSON line per step so a killed run leaves a trace."""
     from tightfit import PagedAdamW, PressureWatch
-    from tightfit.paging.probes import RSSProbe
+    from tightfit.pressure.probes import RSSProbe
 
     torch.set_num_threads(ns.threads)
     out = open(ns.log, "w")  # noqa: SIM115 - line by line, flushed
@@ -246,7 +246,7 @@ def overhead_main(ns: argparse.Namespace, batches: list, emit) -> None:  # noqa:
     copy of the model.
     """
     from tightfit import PagedAdamW
-    from tightfit.paging.probes import RSSProbe
+    from tightfit.pressure.probes import RSSProbe
 
     runs = {}
     for name in ("torch", "paged", "paged+watch"):

@@ -15,11 +15,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tightfit"
 
 # Lowest first. ``tightfit`` itself (the lazy public API) and ``cli`` sit above everything.
 LEVELS: tuple[str, ...] = (
-    "measure",      # live-byte tracker, sizes: anyone may import it
+    "measure",      # live-byte tracker, sizes, dtype names: anyone may import it
+    "model",        # the model as a chain of blocks (decoder layers): find_blocks
+    "integrity",    # checksums, the interrupt guard, owned files and atomic temps
     "tiers",        # device / host / disk places and the copy engines between them
     "loss",         # chunked LM head + cross-entropy
-    "checkpoint",   # activation recompute/offload: blocks, profile, plans, solver, apply
-    "paging",       # optimizer-state pages: layout, store, sweep, probes, watch, occupancy
+    "checkpoint",   # activation recompute/offload/tiling: profile, plans, solver, long steps
+    "paging",       # the page store of optimizer state: layout, store, slab, sweep, disk
+    "pressure",     # memory probes, cgroup, target, occupancy control, spike watch
     "optim",        # the paged optimizers, their DTensor glue and the registry
     "qlora",        # prepare(): NF4 + DQ via bitsandbytes, LoRA via peft
     "report",       # the measured per-piece report

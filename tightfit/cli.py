@@ -24,8 +24,8 @@ from typing import Any
 # (name, module, one-line help). A module is imported only when its command runs.
 _COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "tightfit.optim.demo", "short paged-optimizer demonstration (prints what was paged)"),
-    ("train", "tightfit.train.cli", "fine-tune with the whole QLoRA memory stack; measured report"),
-    ("plan", "tightfit.planner.cli", "will this fine-tune fit? predicted bytes per piece, a recommended setup"),
+    ("train", "tightfit.train.train_command", "fine-tune with the whole QLoRA memory stack; measured report"),
+    ("plan", "tightfit.planner.plan_command", "will this fine-tune fit? predicted bytes per piece, a recommended setup"),
     ("export", "tightfit.train.export", "a run's adapter and, with --merge, a merged HF model folder"),
 ]
 

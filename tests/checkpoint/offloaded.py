@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tightfit.checkpoint import apply
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.offload import Offloader
 from tightfit.checkpoint.plan import OffloadTier, Plan, Segment

@@ -208,8 +208,8 @@ def test_hooks_that_edit_inputs_or_outputs_act_once(policy: str) -> None:
 
 
 def test_pressure_watch_sees_the_recompute_in_backward() -> None:
-    from tightfit.paging.probes import FakeProbe
-    from tightfit.paging.watch import PressureWatch
+    from tightfit.pressure.probes import FakeProbe
+    from tightfit.pressure.watch import PressureWatch
 
     class Chain(torch.nn.Module):
         def __init__(self) -> None:

@@ -78,7 +78,7 @@ def test_budget_plans_fit_what_they_were_solved_for(wide_heads: tuple) -> None:
 
 def install_plan(model: torch.nn.Module, plan: object) -> None:
     from tightfit.checkpoint import apply
-    from tightfit.checkpoint.blocks import resolve_blocks
+    from tightfit.model.blocks import resolve_blocks
 
     apply.uninstall(model)
     apply.install(model, resolve_blocks(model, None), plan)  # type: ignore[arg-type]

@@ -21,8 +21,8 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
-from tightfit.tiers.integrity import CorruptStateError
-from tightfit.tiers.temps import temp_path
+from tightfit.integrity.checksums import CorruptStateError
+from tightfit.integrity.temps import temp_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -219,7 +219,7 @@ def test_a_file_changed_while_loading_closes_the_optimizer(tmp_path) -> None:
 
 def _dead_owners_temp(folder, prefix: str) -> str:
     """A temp name made by a process that has exited (its owner token is a dead process's)."""
-    code = ("import sys; from tightfit.tiers.temps import temp_path; "
+    code = ("import sys; from tightfit.integrity.temps import temp_path; "
             "print(temp_path(sys.argv[1], sys.argv[2]))")
     out = subprocess.run([sys.executable, "-c", code, str(folder), prefix], check=True,
                          capture_output=True, text=True, cwd=os.getcwd()).stdout.strip()

@@ -1,4 +1,4 @@
-"""The paging options, defined once (``tightfit.optim.options``) and taken by every paged
+"""The paging options, defined once (``tightfit.optim.optimizer_options``) and taken by every paged
 optimizer after torch's own arguments: they reach the store, and a keyword no optimizer knows
 still raises ``TypeError`` before anything exists."""
 
@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from tightfit.optim import options
+from tightfit.optim import optimizer_options
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
-from tightfit.paging.probes import FakeProbe
+from tightfit.pressure.probes import FakeProbe
 
 CLASSES = [PagedAdamW, PagedAdam, PagedAdamW8bit, PagedAdam8bit, PagedLion, PagedLion8bit,
            PagedSGD]  # fmt: skip
@@ -36,8 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_the_options_and_their_defaults_are_one_list() -> None:
-    assert set(options.PagingOptions.__optional_keys__) == set(options.DEFAULTS)
-    assert options.DEFAULTS["page_bytes"] == options.DEFAULT_PAGE_BYTES == 8 << 20
+    assert set(optimizer_options.PagingOptions.__optional_keys__) == set(optimizer_options.DEFAULTS)
+    assert optimizer_options.DEFAULTS["page_bytes"] == optimizer_options.DEFAULT_PAGE_BYTES == 8 << 20
 
 
 @pytest.mark.parametrize("cls", list(TORCH_ARGS))

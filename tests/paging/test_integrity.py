@@ -11,7 +11,7 @@ import torch
 
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.layout import Page
-from tightfit.tiers.integrity import CorruptStateError, page_checksum, zeros_checksum
+from tightfit.integrity.checksums import CorruptStateError, page_checksum, zeros_checksum
 
 PAGE = 16 << 10
 SIZES = [3000, 5000, 4097, 9000]  # 11 pages; with 4 pages of budget, 7 live on disk

@@ -9,7 +9,7 @@ import torch
 
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.store import PageStore
-from tightfit.tiers.owner import OWNER_FILE
+from tightfit.integrity.owners import OWNER_FILE
 
 from ..tiers.counting import CountingEngine, count_copies, payload_bytes
 

@@ -17,7 +17,7 @@ from tightfit.checkpoint.plan import structural_segments
 from tightfit.planner.estimate import Overhead, estimate, nf4_constant_bytes, optimizer_state_bytes
 from tightfit.planner.peak import plan_peak
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.verify import compare, relative_error
 
 # three shapes: GQA 2:1, GQA 3:1 with a tied head, plain MHA with a wide MLP and head_dim 32

@@ -8,7 +8,7 @@ import torch
 
 from tightfit.planner.configs import hf_config, shape_from_config
 from tightfit.planner.presets import PRESETS
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.shapes import FAMILIES, SLIDING, ModelShape
 from tightfit.planner.verify import compare, relative_error
 

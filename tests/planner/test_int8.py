@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tightfit.planner.activations import int8_held_bytes
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.shapes import ModelShape
 from tightfit.planner.verify import compare
 

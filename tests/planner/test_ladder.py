@@ -12,7 +12,7 @@ from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.ladder import plan
 from tightfit.planner.presets import PRESETS, load_shape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 
 
 def test_parse_bytes() -> None:
@@ -152,7 +152,7 @@ def test_cli_verify_small_config(tmp_path, capsys) -> None:  # noqa: ANN001
 
 def test_train_args_parse_as_tightfit_train_options() -> None:
     from tightfit.cli import build_parser
-    from tightfit.train.cli import config_from_args
+    from tightfit.train.train_command import config_from_args
 
     report = plan("llama-3-8b", "24GiB", seq_len=4096, batch_size=2)
     for row in report.rows:

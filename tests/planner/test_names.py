@@ -14,9 +14,9 @@ from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.ladder import plan
 from tightfit.planner.peak import activation_peak, plan_peak
 from tightfit.planner.presets import PRESETS, ModelShape
-from tightfit.planner.setup import PLANNED_OPTIMIZERS, TrainSetup
+from tightfit.planner.train_setup import PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.planner.train_args import train_args
-from tightfit.qlora.options import PrepareOptions
+from tightfit.qlora.prepare_options import PrepareOptions
 
 SMALL = ModelShape("small", hidden=128, intermediate=352, layers=5, heads=4, kv_heads=2,
                    vocab=1000)
@@ -56,7 +56,7 @@ def test_optimizers_are_registry_kinds() -> None:
 @pytest.mark.parametrize("optimizer", PLANNED_OPTIMIZERS)
 def test_train_accepts_every_planned_optimizer(optimizer: str) -> None:
     from tightfit.cli import build_parser
-    from tightfit.train.cli import config_from_args
+    from tightfit.train.train_command import config_from_args
 
     setup = TrainSetup(compute_dtype="fp16", optimizer=optimizer,  # type: ignore[arg-type]
                        optimizer_device_budget=1 << 20)

@@ -12,7 +12,7 @@ from tightfit.cli import build_parser, main
 from tightfit.planner.estimate import estimate, lora_param_count, optimizer_state_bytes
 from tightfit.planner.ladder import DEFAULT_MARGIN, plan
 from tightfit.planner.presets import PRESETS
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 
 # The QLoRA paper's LLaMA-65B recipe (Dettmers et al. 2023, qlora.py / scripts): NF4 + DQ,
 # bf16 compute, LoRA r=64 on every linear with dropout 0.05, adapters cast to bf16, every
@@ -102,8 +102,8 @@ def test_plan_speaks_train_names_and_old_ones_warn(caplog: pytest.LogCaptureFixt
 
 
 def test_one_spelling_of_none_and_of_dtypes_in_train() -> None:
-    from tightfit.qlora.options import LoraOptions, PrepareOptions
-    from tightfit.train.cli import config_from_args
+    from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
+    from tightfit.train.train_command import config_from_args
 
     assert PrepareOptions(loss_chunks="none").loss_chunks is None
     assert LoraOptions(dtype="bf16").dtype == "bfloat16"

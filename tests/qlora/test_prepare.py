@@ -10,7 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tightfit
-from tightfit.qlora.options import LoraOptions, PrepareOptions
+from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
 
 def tiny(hidden: int = 64, layers: int = 2, vocab: int = 128) -> LlamaForCausalLM:

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tightfit
 from tightfit.checkpoint import apply as ckpt_apply
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 from tightfit.loss import disable_chunked_loss, enable_chunked_loss
 from tightfit.report.pieces import constant_bytes
 from tightfit.report.report import measure_report

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tightfit.tiers.owner import OWNER_FILE, read_owner, this_process
+from tightfit.integrity.owners import OWNER_FILE, read_owner, this_process
 from tightfit.tiers.spill import SpillArea
 
 from .disks import TINY, tiny_folder

@@ -43,8 +43,8 @@ def _refused(argv: list[str], capsys) -> str:
 
 
 def _dead_token() -> str:
-    """The owner token (:mod:`tightfit.tiers.temps`) of a process that has exited."""
-    code = "from tightfit.tiers.temps import owner_token; print(owner_token())"
+    """The owner token (:mod:`tightfit.integrity.temps`) of a process that has exited."""
+    code = "from tightfit.integrity.temps import owner_token; print(owner_token())"
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True).stdout.strip()
 

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from tightfit.optim.registry import OptimizerOptions
-from tightfit.qlora.options import LoraOptions, PrepareOptions
+from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.train.data import ByteTokenizer, load_train_data
 from tightfit.train.loop import train
-from tightfit.train.options import DataOptions, RunConfig, TrainOptions
+from tightfit.train.run_options import DataOptions, RunConfig, TrainOptions
 
 from .helpers import write_jsonl
 

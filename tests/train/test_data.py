@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tightfit.train.data import ByteTokenizer, load_train_data
-from tightfit.train.options import DataOptions
+from tightfit.train.run_options import DataOptions
 
 
 def _load(path, seq_len: int = 16, batch_size: int = 2, **data_kw):

@@ -67,7 +67,7 @@ def test_merge_refuses_4bit_moe_experts_before_writing(tmp_path) -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from tightfit.train.export import merged_model
-    from tightfit.train.options import RunConfig, TrainOptions
+    from tightfit.train.run_options import RunConfig, TrainOptions
 
     folder = tmp_path / "moe"
     MixtralForCausalLM(MixtralConfig(

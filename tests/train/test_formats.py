@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tightfit.train.data import ByteTokenizer, HFTokenizer, load_train_data
-from tightfit.train.options import DataOptions
+from tightfit.train.run_options import DataOptions
 
 from .helpers import chat_model, write_jsonl
 

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 
 from tightfit.cli import main
 from tightfit.optim.registry import OptimizerOptions
-from tightfit.qlora.options import LoraOptions
+from tightfit.qlora.prepare_options import LoraOptions
 from tightfit.train import resume
 from tightfit.train.data import Batcher
 from tightfit.train.loop import RunConfig, TrainOptions, train
-from tightfit.train.options import DataOptions
-from tightfit.train.setup import DEMO_DEVICE_BUDGET
+from tightfit.train.run_options import DataOptions
+from tightfit.train.run_setup import DEMO_DEVICE_BUDGET
 
 
 def _cfg(out: Path, model: Path | None, **train_kw) -> RunConfig:

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from tightfit.cli import main
 from tightfit.optim.registry import OptimizerOptions
-from tightfit.paging import probes
-from tightfit.qlora.options import LoraOptions
-from tightfit.train import resume, setup
+from tightfit.pressure import probes
+from tightfit.qlora.prepare_options import LoraOptions
+from tightfit.train import resume, run_setup
 from tightfit.train.loop import RunConfig, TrainOptions, train
 from tightfit.train.step import StepOutOfMemory
 
@@ -40,14 +40,14 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
 def _built_optimizers(monkeypatch) -> list[dict]:
     """The memory_stats() of every optimizer the train job builds, read as it is built."""
     seen: list[dict] = []
-    real = setup.optimizer_for
+    real = run_setup.optimizer_for
 
     def recording(*args, **kwargs):
         opt = real(*args, **kwargs)
         seen.append(opt.memory_stats() if hasattr(opt, "memory_stats") else {})
         return opt
 
-    monkeypatch.setattr(setup, "optimizer_for", recording)
+    monkeypatch.setattr(run_setup, "optimizer_for", recording)
     return seen
 
 
@@ -78,7 +78,7 @@ def _fail_backward(monkeypatch, at: set[int]) -> dict[str, int]:
     """Make the n-th backward through the model's final norm (counted from 1) raise
     ``torch.OutOfMemoryError`` for each n in ``at``, as an allocation there would."""
     calls = {"n": 0}
-    real = setup.prepare
+    real = run_setup.prepare
 
     def prepare_with_fault(*args, **kwargs):
         model = real(*args, **kwargs)
@@ -96,7 +96,7 @@ def _fail_backward(monkeypatch, at: set[int]) -> dict[str, int]:
         model.get_base_model().model.norm.register_forward_hook(forward_hook)
         return model
 
-    monkeypatch.setattr(setup, "prepare", prepare_with_fault)
+    monkeypatch.setattr(run_setup, "prepare", prepare_with_fault)
     return calls
 
 

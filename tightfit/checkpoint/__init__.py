@@ -6,7 +6,7 @@
 """
 
 from tightfit.checkpoint.api import disable, enable, pareto
-from tightfit.checkpoint.blocks import find_blocks
+from tightfit.model.blocks import find_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.plan import POLICIES, Plan, Segment
 from tightfit.checkpoint.profile import profile

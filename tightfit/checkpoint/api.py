@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tightfit.checkpoint import apply
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.offload import tier_of, tier_speed
 from tightfit.checkpoint.plan import (

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tightfit.checkpoint import apply
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.offload import shared_storages
 from tightfit.checkpoint.selective import SAVED_OPS

@@ -3,7 +3,7 @@
 At long sequence length a Llama-family MLP's gate/up/activation intermediates (``tokens ×
 intermediate`` each, plus their LoRA and dropout companions) are the widest tensors of the
 layer. :func:`enable_tiling` patches the ``mlp`` child of every block (found by
-:func:`~tightfit.checkpoint.blocks.find_blocks`) so that:
+:func:`~tightfit.model.blocks.find_blocks`) so that:
 
 * **forward** runs the MLP tile by tile along the *flattened* ``batch · seq`` tokens under
   ``torch.no_grad()`` and keeps only the MLP's input (the MLP acts on each token alone, so
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 
 STATE_ATTR = "_tightfit_tiling"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

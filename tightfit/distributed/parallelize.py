@@ -2,7 +2,7 @@
 
 FSDP2 is applied torchtitan-style: ``fully_shard`` on every transformer block, then on the root,
 so each block's parameters are gathered just before it runs and freed after. Blocks are found
-by the checkpoint planner's :func:`~tightfit.checkpoint.blocks.find_blocks` (the decoder layers
+by the checkpoint planner's :func:`~tightfit.model.blocks.find_blocks` (the decoder layers
 of every HF causal LM, wrapped by peft or not).
 """
 
@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tightfit.checkpoint.blocks import find_blocks
+from tightfit.model.blocks import find_blocks
 
 __all__ = ["Strategy", "find_blocks", "shard_model"]
 

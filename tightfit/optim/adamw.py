@@ -20,7 +20,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import hyper
 from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.options import PagingOptions
+from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
@@ -55,7 +55,7 @@ class PagedAdamW(PagedOptimizer):
             else foreach; ``False``: foreach.
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.options.PagingOptions`.
+            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
 
     Example:
         >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)

@@ -17,7 +17,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import hyper, quant8
 from tightfit.optim.adamw import check_adam_group
-from tightfit.optim.options import PagingOptions
+from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.optim.views import Group, StateLists, Tensors
 
@@ -43,7 +43,7 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         capturable, differentiable: must be ``False`` (torch's flags; paged state is neither).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.options.PagingOptions`.
+            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
 
     Example:
         >>> opt = PagedAdamW8bit(model.parameters(), lr=1e-4, device_budget=64 << 20)

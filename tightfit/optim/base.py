@@ -30,16 +30,16 @@ from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, options, views
+from tightfit.optim import checks, optimizer_options, views
 from tightfit.optim.groups import GroupLayout
 from tightfit.optim.memory_api import MemoryAPI
-from tightfit.optim.options import DEFAULT_PAGE_BYTES, PagingOptions
+from tightfit.optim.optimizer_options import DEFAULT_PAGE_BYTES, PagingOptions
 from tightfit.optim.param_state import ParamState, StateAccess, adopt_plain_states, step_tensor
 from tightfit.optim.torch_api import TorchAPI
 from tightfit.optim.views import Group, StateLists, Tensors
-from tightfit.paging.interrupts import hold_interrupts
+from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page, StateSpec
-from tightfit.paging.occupancy import OccupancyControl, recover_from_oom
+from tightfit.pressure.occupancy import OccupancyControl, recover_from_oom
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 from tightfit.tiers.copy import CopyEngine
@@ -57,7 +57,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
             param-group dicts, as for any torch optimizer.
         defaults: default hyperparameters of the subclass.
         **paging: the paging and pressure options, documented once in
-            :class:`~tightfit.optim.options.PagingOptions` (``page_bytes``,
+            :class:`~tightfit.optim.optimizer_options.PagingOptions` (``page_bytes``,
             ``device_budget``, ``host_budget``, ``spill_dir``, ``target``, ``probe``); any
             other keyword raises ``TypeError``.
     """
@@ -77,7 +77,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         defaults: dict[str, Any],
         **paging: Unpack[PagingOptions],
     ) -> None:
-        opts = options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
+        opts = optimizer_options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
         self._check_group(defaults)  # bad hyperparameters raise first (as in torch)
         params = checks.intake(params)  # torch's TypeError for a bare tensor, empty lists
         checks.check_paging_options(

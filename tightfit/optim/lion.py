@@ -16,7 +16,7 @@ import torch
 
 from tightfit.optim import hyper, quant8
 from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.options import PagingOptions
+from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
@@ -98,7 +98,7 @@ class PagedLion(PagedOptimizer):
             Lion kernel; paged state is neither capturable nor differentiable).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.options.PagingOptions`.
+            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
     """
 
     def __init__(
@@ -136,7 +136,7 @@ class PagedLion8bit(Paged8bitOptimizer):
     Same arguments (and torch flags) as :class:`PagedLion` plus ``min_8bit_size`` and
     ``backend`` (see
     :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`), then the paging options
-    (:class:`~tightfit.optim.options.PagingOptions`). About 1.02 bytes of state per param.
+    (:class:`~tightfit.optim.optimizer_options.PagingOptions`). About 1.02 bytes of state per param.
     """
 
     kernel = "lion"

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from tightfit.paging.events import PagingEvent
-from tightfit.paging.occupancy import OccupancyControl
-from tightfit.paging.probes import Probe
+from tightfit.pressure.occupancy import OccupancyControl
+from tightfit.pressure.probes import Probe
 from tightfit.paging.store import PageStore
-from tightfit.paging.watch import PressureWatch
+from tightfit.pressure.watch import PressureWatch
 
 
 class MemoryAPI:
@@ -43,7 +43,7 @@ class MemoryAPI:
         """Keep the device under ``target`` (see the ``target``/``probe`` arguments).
 
         Replaces an earlier setting (its watches stay installed and keep their old target);
-        returns the :class:`~tightfit.paging.occupancy.OccupancyControl`.
+        returns the :class:`~tightfit.pressure.occupancy.OccupancyControl`.
         """
         self._check_open()
         self._pressure = OccupancyControl(
@@ -63,7 +63,7 @@ class MemoryAPI:
 
         Uses the optimizer's target (on CUDA, 0.9 of the device when none was set; on the CPU
         set one first: ``target=`` or :meth:`set_pressure`). See
-        :class:`~tightfit.paging.watch.PressureWatch`; ``.remove()`` uninstalls it.
+        :class:`~tightfit.pressure.watch.PressureWatch`; ``.remove()`` uninstalls it.
         """
         self._check_open()
         if self._pressure is None:

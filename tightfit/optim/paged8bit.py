@@ -36,10 +36,10 @@ from typing import Any, ClassVar, Unpack
 
 import torch
 
-from tightfit.optim import checks, hyper, options, quant8, state_io
+from tightfit.optim import checks, hyper, optimizer_options, quant8, state_io
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.dtensor import is_dtensor, like_param, local_tensor
-from tightfit.optim.options import PagingOptions
+from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.param_state import ParamState
 from tightfit.optim.state8bit import check_and_load
 from tightfit.optim.views import Group, StateLists, Tensors
@@ -62,7 +62,7 @@ class Paged8bitOptimizer(PagedOptimizer):
             ``"bitsandbytes"`` or ``"torch"``.
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.options.PagingOptions`.
+            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
     """
 
     unit = quant8.BLOCKSIZE
@@ -78,7 +78,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         backend: quant8.Backend = "auto",
         **paging: Unpack[PagingOptions],
     ) -> None:
-        options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
+        optimizer_options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:

@@ -13,9 +13,9 @@ from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
-from tightfit.paging.occupancy import default_probe
-from tightfit.paging.probes import Probe
-from tightfit.paging.target import default_target
+from tightfit.pressure.occupancy import default_probe
+from tightfit.pressure.probes import Probe
+from tightfit.pressure.target import default_target
 
 OptimizerKind = Literal[
     "paged_adamw",
@@ -137,7 +137,7 @@ def optimizer_for(
         page_bytes, device_budget, host_budget, spill_dir: Paging options (bytes); ignored
             by ``"adamw"``.
         target: The device usage to stay under (``docs/pressure.md``): ``"auto"`` (default)
-            is :func:`~tightfit.paging.target.default_target` — 0.9 of a CUDA device, 0.9 of
+            is :func:`~tightfit.pressure.target.default_target` — 0.9 of a CUDA device, 0.9 of
             the memory cgroup's limit on the CPU, and off on a CPU without a limit; a float is
             a fraction of capacity, an int bytes; ``None`` turns pressure handling off.
             ``"adamw"`` has no pages to move: it takes only ``"auto"`` or ``None``.

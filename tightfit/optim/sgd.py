@@ -19,7 +19,7 @@ from torch.optim.sgd import sgd as _sgd_functional
 from tightfit.optim import hyper, views
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.flat import PLAIN
-from tightfit.optim.options import PagingOptions
+from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.views import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
@@ -45,7 +45,7 @@ class PagedSGD(PagedOptimizer):
             paged optimizer, so that one set of keywords works for all).
         **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
             ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.options.PagingOptions`.
+            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
 
     ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
     a ``torch.optim.SGD`` state dict loads too.

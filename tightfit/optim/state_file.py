@@ -25,7 +25,7 @@ Version 1 files (written before checksums: no sums) are still read, with the sam
 checks and a warning that their bytes cannot be verified; :func:`save` writes version 2.
 
 A kill mid-save leaves the temp (``.tightfit-save-<owner>-<random>``, see
-:mod:`tightfit.tiers.temps`); the next save into the same folder removes those of processes
+:mod:`tightfit.integrity.temps`); the next save into the same folder removes those of processes
 that no longer exist.
 """
 
@@ -48,10 +48,10 @@ from tightfit.optim.state_io import (
     replace_groups_and_steps,
 )
 from tightfit.paging.disk import describe
-from tightfit.paging.interrupts import hold_interrupts
+from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
-from tightfit.tiers.integrity import ALGORITHM, CorruptStateError, checksum
-from tightfit.tiers.temps import remove_stale_temps, temp_path
+from tightfit.integrity.checksums import ALGORITHM, CorruptStateError, checksum
+from tightfit.integrity.temps import remove_stale_temps, temp_path
 
 VERSION = 2
 _MAGIC_BASE = b"TIGHTFIT-PAGES\x00"

@@ -125,7 +125,7 @@ class TorchAPI:
         """Read a file written by :meth:`save` for the same params, page by page.
 
         The file is refused whole (``ValueError`` for another layout or hyperparameters the
-        constructor refuses, :class:`~tightfit.tiers.integrity.CorruptStateError` for bytes
+        constructor refuses, :class:`~tightfit.integrity.checksums.CorruptStateError` for bytes
         that do not match their checksums) before anything changes; see
         :mod:`tightfit.optim.state_file`.
         """

@@ -9,8 +9,8 @@ Three promises (``docs/paging.md``, "Failure and integrity"):
   on the next access of its mapping; every access checks the file's size first
   (:meth:`~tightfit.tiers.spill.SpillArea.check`), so that is an ``OSError`` too.
 * **Checksummed.** Each write of a page to disk records the checksum of its bytes
-  (:mod:`tightfit.tiers.integrity`), each read verifies it, and a mismatch raises
-  :class:`~tightfit.tiers.integrity.CorruptStateError` naming the page, its params and the
+  (:mod:`tightfit.integrity.checksums`), each read verifies it, and a mismatch raises
+  :class:`~tightfit.integrity.checksums.CorruptStateError` naming the page, its params and the
   tier; the bytes are never used. A write that failed marks the page lost, so a later read
   says so instead of returning stale state.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from tightfit.paging.layout import Page
-from tightfit.tiers.integrity import (
+from tightfit.integrity.checksums import (
     PAGE_ALGORITHM,
     CorruptStateError,
     copy_and_checksum,

@@ -20,7 +20,7 @@ import torch
 from tightfit.measure import tracker
 from tightfit.paging import disk
 from tightfit.paging.events import EventLog, PagingCounters
-from tightfit.paging.interrupts import hold_interrupts
+from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
 from tightfit.paging.residency import plan_tiers
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
@@ -160,7 +160,7 @@ class PageStore:
         """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any.
 
         Disk room for the plan is reserved first (``OSError`` before any page moves), and
-        Ctrl-C waits until every page is in one place (:mod:`tightfit.paging.interrupts`).
+        Ctrl-C waits until every page is in one place (:mod:`tightfit.integrity.interrupts`).
         """
         tiers, nslots = self.plan()
         self._reserve_disk(tiers)

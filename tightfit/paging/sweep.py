@@ -10,7 +10,7 @@ out-of-memory, a Ctrl-C — leaves every page either untouched or done (its upda
 page marked with the step id, its write-back queued), and running the sweep again for the same
 step updates only the pages not yet done, each exactly once. Two things make that hold:
 
-* Ctrl-C is held for the whole sweep (:mod:`tightfit.paging.interrupts`) and delivered only
+* Ctrl-C is held for the whole sweep (:mod:`tightfit.integrity.interrupts`) and delivered only
   between pages, never between a kernel returning and its page being marked;
 * once an update returned, whatever goes wrong next (marking, queuing the write-back) the page
   is marked and its write-back made before the error goes on (:func:`_commit`).
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from tightfit.paging.interrupts import hold_interrupts
+from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
 from tightfit.paging.store import PageStore
 from tightfit.tiers.copy import write_home

@@ -47,7 +47,7 @@ from tightfit.planner.moe import (
 from tightfit.planner.shapes import MLP_WEIGHTS
 
 if TYPE_CHECKING:
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.shapes import ModelShape
 
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.shapes import ModelShape
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 
 if TYPE_CHECKING:
     from tightfit.checkpoint.plan import Segment

@@ -10,7 +10,7 @@ host within its pinned budget; a row that fits only inside the margin is "tight"
 estimated slowdown (:mod:`tightfit.planner.speed`); the fastest that fits with the margin is
 recommended, with the ``tightfit train`` options that select it. With
 ``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
-largest batch that fits (:mod:`tightfit.planner.longctx`).
+largest batch that fits (:mod:`tightfit.planner.max_length`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.optim.base import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
-from tightfit.planner.longctx import MAX_BATCH, maximize_row
+from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.presets import ModelShape, load_shape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
@@ -91,7 +91,7 @@ def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = 
 
     ``monotone``: the rule's largest chunk (its 256 MiB cap), not evened out over the
     chunks, so that bytes never fall as the step grows (what the searches of
-    :mod:`tightfit.planner.longctx` need); at long sequences the two differ by the evening.
+    :mod:`tightfit.planner.max_length` need); at long sequences the two differ by the evening.
     """
     from tightfit.loss.sizing import DEFAULT_MAX_CHUNK_BYTES
     from tightfit.loss.sizing import auto_chunk_tokens as _auto

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from tightfit.checkpoint.plan import Segment
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
 
 
 def offload_reason() -> str | None:
@@ -64,7 +64,7 @@ def install_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
     the small shapes a verify step runs have no storage above the default 1 MiB.
     """
     from tightfit.checkpoint import apply
-    from tightfit.checkpoint.blocks import resolve_blocks
+    from tightfit.model.blocks import resolve_blocks
     from tightfit.checkpoint.plan import Plan
 
     apply.uninstall(model)

@@ -31,12 +31,12 @@ from tightfit.planner.activations import (
     quantized_backward_extra_bytes,
     recompute_inputs_bytes,
 )
-from tightfit.planner.setup import OFFLOADED, RECOMPUTED
+from tightfit.planner.train_setup import OFFLOADED, RECOMPUTED
 from tightfit.planner.work import recompute_fraction
 
 if TYPE_CHECKING:
     from tightfit.planner.presets import ModelShape
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
 
 
 # -- the peak under a plan -----------------------------------------------------------

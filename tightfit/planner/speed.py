@@ -22,13 +22,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tightfit.planner.activations import layer_input_bytes, layer_saved_bytes
-from tightfit.planner.setup import OFFLOADED, RECOMPUTED
+from tightfit.planner.train_setup import OFFLOADED, RECOMPUTED
 from tightfit.planner.work import layer_macs, step_macs
 
 if TYPE_CHECKING:
     from tightfit.planner.estimate import Estimate
     from tightfit.planner.presets import ModelShape
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
 
 # Assumed cost ratios (see module doc); stated in every printed plan.
 QUANT_SLOWDOWN = {"none": 1.0, "nf4": 1.15, "int8": 1.3}

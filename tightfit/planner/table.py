@@ -11,7 +11,7 @@ from tightfit.measure.sizes import format_bytes
 from tightfit.planner.estimate import Estimate, Overhead
 from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import RECOMPUTED, TrainSetup
+from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 from tightfit.planner.train_args import missing_train_options
 
 

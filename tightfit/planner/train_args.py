@@ -1,14 +1,14 @@
 """The ``tightfit train`` options that select a planned configuration.
 
 The flag names are those ``tightfit train`` generates from its option dataclasses
-(:mod:`tightfit.qlora.options`, :mod:`tightfit.optim.registry`, :mod:`tightfit.train.loop`);
+(:mod:`tightfit.qlora.prepare_options`, :mod:`tightfit.optim.registry`, :mod:`tightfit.train.loop`);
 the values need no translation: a :class:`TrainSetup` holds the same dtype names
 (:mod:`tightfit.measure.dtypes`) and optimizer kinds (the registry's).
 """
 
 from __future__ import annotations
 
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 
 
 def train_args(setup: TrainSetup) -> tuple[str, ...]:

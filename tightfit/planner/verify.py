@@ -33,7 +33,7 @@ from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.mechanisms import install_segments, install_tiling, unavailable
 from tightfit.planner.peak import activation_peak
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 
 if TYPE_CHECKING:
     from tightfit.planner.table import PlanReport

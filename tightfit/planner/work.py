@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tightfit.planner.setup import RECOMPUTED
+from tightfit.planner.train_setup import RECOMPUTED
 
 if TYPE_CHECKING:
     from tightfit.checkpoint.plan import Segment
     from tightfit.planner.presets import ModelShape
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
 

@@ -28,8 +28,8 @@ from torch import nn
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import check_experts, expert_modules, expert_weight_names
-from tightfit.qlora.longctx import check_inputs, plan_activations
-from tightfit.qlora.options import LoraOptions, PrepareOptions
+from tightfit.checkpoint.long_step import check_inputs, plan_activations
+from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.qlora.quantize import _output_head_names, quantize_base
 
 
@@ -50,7 +50,7 @@ class PrepareInfo:
         plan: The installed checkpoint plan (``None`` when checkpointing is off).
         loss_chunks: Tokens per loss chunk actually installed (``None``: unchunked).
         tiling: The tiled MLPs (:class:`tightfit.checkpoint.Tiling`; ``None``: untiled),
-            chosen when a long step needed them (:mod:`tightfit.qlora.longctx`).
+            chosen when a long step needed them (:mod:`tightfit.checkpoint.long_step`).
         notes: Anything the caller should know (a fallback taken, a piece skipped, the
             weights left in full precision or without adapters).
     """
@@ -201,7 +201,7 @@ def prepare(
         offload_host_budget: Bytes offloaded activations may take on the next tier.
         offload_dir: Folder of the CPU's activation spill files (default: temp folder).
         mlp_tile: Tokens per MLP tile: ``"auto"`` (only when a long step needs it; see
-            :mod:`tightfit.qlora.longctx`), ``"none"`` / ``None``, or an int (always).
+            :mod:`tightfit.checkpoint.long_step`), ``"none"`` / ``None``, or an int (always).
 
     Returns:
         The prepared model (a peft model when LoRA is on), with ``model.tightfit_info``.

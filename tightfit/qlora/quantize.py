@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tightfit.qlora.experts import quantize_experts
-from tightfit.qlora.state4bit import take_saved_quant_state
+from tightfit.qlora.saved_quant_state import take_saved_quant_state
 
 
 def _output_head_names(model: nn.Module) -> set[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tightfit.measure import tracker
-from tightfit.tiers.owner import Removed, remove_stale, write_owner
+from tightfit.integrity.owners import Removed, remove_stale, write_owner
 
 SPILL_PREFIX = "tightfit-spill-"  # every private spill folder's name starts so
 
@@ -103,7 +103,7 @@ class SpillArea:
 
     Files live in a private folder made inside ``spill_dir`` (or the system temp folder), so
     closing never touches anything the user put there. The folder holds an owner file
-    (:mod:`tightfit.tiers.owner`), and a new area removes the sibling folders whose process is
+    (:mod:`tightfit.integrity.owners`), and a new area removes the sibling folders whose process is
     gone (a crash cannot delete its own): :attr:`cleaned` says what it removed.
     """
 
@@ -237,7 +237,7 @@ class SpillArea:
 
         A page written into the ``MAP_SHARED`` spill map stays mapped — counted in RSS and, as
         dirty page cache, charged to a memory cgroup — until the kernel gets round to it; under
-        memory pressure (see ``tightfit.paging.occupancy``) that is too late.
+        memory pressure (see ``tightfit.pressure.occupancy``) that is too late.
         ``madvise(MADV_DONTNEED)`` unmaps them from this process at once (the data stays in
         the file's page cache, read back on the next access), and ``sync_file_range`` starts
         writing the dirty ones to disk without waiting, so the kernel can drop them as soon as

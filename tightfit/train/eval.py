@@ -17,7 +17,7 @@ import torch
 from tightfit.loss import is_chunked_loss_enabled
 
 if TYPE_CHECKING:
-    from tightfit.train.setup import Run
+    from tightfit.train.run_setup import Run
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -33,7 +33,7 @@ from tightfit.qlora.quantize import linear4bit_layers
 from tightfit.train import model as builtin
 from tightfit.train import resume
 from tightfit.train.data.tokenizer import has_hf_tokenizer
-from tightfit.train.options import RunConfig
+from tightfit.train.run_options import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """The training loop behind ``tightfit train``: set up, run the steps, finish.
 
-:func:`train` is three calls: :func:`tightfit.train.setup.setup` checks everything and builds
+:func:`train` is three calls: :func:`tightfit.train.run_setup.setup` checks everything and builds
 the run (nothing is written before every check passed), :func:`run_steps` trains (each step is
 :func:`tightfit.train.step.run_step`), evaluates every ``--eval-every`` steps and saves the
 resume state every ``--save-every`` steps, and :func:`finish` publishes the adapter, measures
@@ -28,10 +28,10 @@ from tightfit.report.report import MemoryReport, measure_report
 from tightfit.train import resume
 from tightfit.train.eval import evaluate
 from tightfit.train.memory import optimizer_stats
-from tightfit.train.options import RunConfig, TrainOptions
+from tightfit.train.run_options import RunConfig, TrainOptions
 from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
 from tightfit.train.predicted import predicted_without_pass
-from tightfit.train.setup import Run, setup
+from tightfit.train.run_setup import Run, setup
 from tightfit.train.step import StepOutOfMemory, example_on, run_step
 from tightfit.train.summary import describe_run
 

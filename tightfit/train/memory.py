@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tightfit.paging.probes import RSSProbe
+from tightfit.pressure.probes import RSSProbe
 
 MiB = 1 << 20
 

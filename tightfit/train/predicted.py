@@ -1,6 +1,6 @@
 """What ``tightfit plan`` predicts for the setup a run used, beside what the run measured.
 
-The run's options and its report's batch become a :class:`~tightfit.planner.setup.TrainSetup`
+The run's options and its report's batch become a :class:`~tightfit.planner.train_setup.TrainSetup`
 (the same names, :mod:`tightfit.planner.train_args`), the model's config a
 :class:`~tightfit.planner.presets.ModelShape`; :func:`~tightfit.planner.estimate.estimate`
 then predicts every piece, and each is paired with the run's measured figure. Where the
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from tightfit.loss import auto_chunk_tokens
 from tightfit.measure.dtypes import dtype_name
-from tightfit.paging.occupancy import default_probe
+from tightfit.pressure.occupancy import default_probe
 from tightfit.planner.estimate import Estimate, Overhead, estimate
 from tightfit.planner.presets import shape_from_config
-from tightfit.planner.setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
+from tightfit.planner.train_setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.report.document import MemoryReport
 
 if TYPE_CHECKING:
-    from tightfit.train.setup import Run
+    from tightfit.train.run_setup import Run
 
 
 def planned_estimate(run: Run) -> tuple[Estimate | None, str]:

@@ -23,7 +23,7 @@ Every saved state holds ``checksums.json``, the XXH3-64 of each of its files but
 ``optimizer.pt`` (whose pages carry their own), and a resume verifies them all and reads every
 file before it changes anything: a damaged file is a one-line error naming it, never a run
 that trains on. Temps (``.LATEST.tmp-*``, ``.tmp-*`` saved-state folders, ...) carry their
-process in their name (:mod:`tightfit.tiers.temps`); a run that starts in the folder removes
+process in their name (:mod:`tightfit.integrity.temps`); a run that starts in the folder removes
 those of processes that no longer exist and says so.
 """
 
@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from tightfit.measure.sizes import format_bytes
-from tightfit.tiers.integrity import ALGORITHM, CorruptStateError, file_checksum
-from tightfit.tiers.owner import Removed
-from tightfit.tiers.temps import remove_stale_temps, temp_path
-from tightfit.train.options import LAUNCH_KEYS, RESUME_FREE, RunConfig, flag_name
+from tightfit.integrity.checksums import ALGORITHM, CorruptStateError, file_checksum
+from tightfit.integrity.owners import Removed
+from tightfit.integrity.temps import remove_stale_temps, temp_path
+from tightfit.train.run_options import LAUNCH_KEYS, RESUME_FREE, RunConfig, flag_name
 
 LATEST = "LATEST"
 CONFIG = "run_config.json"
@@ -332,7 +332,7 @@ def resumed_config(folder: str | os.PathLike[str], changes: dict[str, Any]) -> R
     Args:
         folder: The run's output folder.
         changes: ``{"group.option": value}`` given again (``{"train.steps": 80}``); options in
-            :data:`~tightfit.train.options.RESUME_FREE` may differ from the saved ones, any
+            :data:`~tightfit.train.run_options.RESUME_FREE` may differ from the saved ones, any
             other must equal its saved value. Launch options (``--fsdp``, ``--zero3``) are
             not inherited: they say how this process was started.
 

@@ -3,10 +3,10 @@ the update, held against Ctrl-C, and the step's record.
 
 A step moves through two parts. Forward and backward change nothing that lasts (only the
 gradients, which are cleared before a retry), so an out-of-memory error there is recoverable:
-the optimizer's device pages are drained (:func:`tightfit.paging.occupancy.recover_from_oom`),
+the optimizer's device pages are drained (:func:`tightfit.pressure.occupancy.recover_from_oom`),
 what the failed attempt held is freed, the RNG is set back to the step's start (dropout draws
 the same masks) and the step runs once more. The update, ``zero_grad`` and the step's record
-run with Ctrl-C held (:func:`tightfit.paging.interrupts.hold_interrupts`), so an interrupt
+run with Ctrl-C held (:func:`tightfit.integrity.interrupts.hold_interrupts`), so an interrupt
 lands either before the update (the step did not happen) or after its record (it did): the
 loop then saves the state of the last completed step (:mod:`tightfit.train.loop`).
 """
@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.paging.interrupts import hold_interrupts
-from tightfit.paging.occupancy import recover_from_oom
+from tightfit.integrity.interrupts import hold_interrupts
+from tightfit.pressure.occupancy import recover_from_oom
 from tightfit.train import resume
 from tightfit.train.data import MicroBatch
 from tightfit.train.memory import optimizer_stats
 from tightfit.train.schedule import lr_at
 
 if TYPE_CHECKING:
-    from tightfit.train.setup import Run
+    from tightfit.train.run_setup import Run
 
 logger = logging.getLogger("tightfit.train")
 MiB = 1 << 20

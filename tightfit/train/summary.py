@@ -15,7 +15,7 @@ from tightfit.report.document import MemoryReport
 from tightfit.train.predicted import compare, planned_estimate
 
 if TYPE_CHECKING:
-    from tightfit.train.setup import Run
+    from tightfit.train.run_setup import Run
 
 _PAGING_KEYS = ("target_bytes", "evictions", "restores", "evicted_bytes", "restored_bytes",
                 "bytes_paged_in", "bytes_paged_out", "pressure_seconds", "stall_seconds",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tightfit.train.options import RunConfig
+from tightfit.train.run_options import RunConfig
 
 _DEVICES = ("cpu", "cuda")
 

@@ -29,7 +29,7 @@ from tightfit.train.data.sources import (
     quiet_datasets,
 )
 from tightfit.train.data.tokenizer import Tokenizer
-from tightfit.train.options import DataOptions
+from tightfit.train.run_options import DataOptions
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 
 from tightfit.train.data.sources import DataCache
 from tightfit.train.data.tokenizer import ChatError, Tokenizer
-from tightfit.train.options import FORMAT_FIELDS
+from tightfit.train.run_options import FORMAT_FIELDS
 
 IGNORE = -100  # the label transformers' losses skip
 KEEP, TRUNCATED, DROPPED = 0, 1, 2

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.paging.probes import FakeProbe, RSSProbe
-from tightfit.paging.target import resolve_target
-from tightfit.paging.watch import PressureWatch, find_watch_blocks
+from tightfit.pressure.probes import FakeProbe, RSSProbe
+from tightfit.pressure.target import resolve_target
+from tightfit.pressure.watch import PressureWatch, find_watch_blocks
 
 from .trace import sample_everywhere
 

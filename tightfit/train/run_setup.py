@@ -24,7 +24,7 @@ from tightfit.train import resume, validate
 from tightfit.train.data import TrainData, load_tokenizer, load_train_data
 from tightfit.train.job import TrainJob
 from tightfit.train.memory import StepMemory, pressure_note
-from tightfit.train.options import RESUME_FREE, RunConfig, TrainOptions
+from tightfit.train.run_options import RESUME_FREE, RunConfig, TrainOptions
 
 DEMO_PAGE_BYTES = 64 << 10
 DEMO_DEVICE_BUDGET = 256 << 10

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from tightfit.measure.dtypes import SHORT_NAMES
 from tightfit.measure.sizes import parse_bytes
-from tightfit.train.options import RunConfig, flag_dest, flag_name
+from tightfit.train.run_options import RunConfig, flag_dest, flag_name
 
 _TITLES = {"train": "run", "data": "data", "prepare": "quantization, checkpointing, loss",
            "lora": "LoRA", "optimizer": "optimizer"}

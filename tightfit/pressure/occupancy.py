@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tightfit.paging import probes
-from tightfit.paging.cgroup import limiting_cgroup
-from tightfit.paging.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
+from tightfit.pressure import probes
+from tightfit.pressure.cgroup import limiting_cgroup
+from tightfit.pressure.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
 from tightfit.paging.store import PageStore
-from tightfit.paging.target import resolve_target
-from tightfit.paging.watch import PressureWatch
+from tightfit.pressure.target import resolve_target
+from tightfit.pressure.watch import PressureWatch
 
 __all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "recover_from_oom"]
 
@@ -80,7 +80,7 @@ class OccupancyControl:
             model pages also leave the watch's margin free for the next forward.
 
     Raises:
-        ValueError/TypeError: see :func:`~tightfit.paging.target.resolve_target`; a negative
+        ValueError/TypeError: see :func:`~tightfit.pressure.target.resolve_target`; a negative
             ``restore_margin_bytes``.
     """
 
@@ -94,7 +94,7 @@ class OccupancyControl:
     ) -> None:
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(
-                f"probe must be a tightfit.paging.probes.Probe (CudaProbe, RSSProbe, FakeProbe), "
+                f"probe must be a tightfit.pressure.probes.Probe (CudaProbe, RSSProbe, FakeProbe), "
                 f"got {type(probe).__name__}."
             )
         if restore_margin_bytes is not None and restore_margin_bytes < 0:
@@ -252,7 +252,7 @@ class OccupancyControl:
     ) -> PressureWatch:
         """Hook ``model``'s blocks so pages drain before a spike passes the target.
 
-        See :class:`~tightfit.paging.watch.PressureWatch` for the arguments. Returns the
+        See :class:`~tightfit.pressure.watch.PressureWatch` for the arguments. Returns the
         watch; ``watch.remove()`` uninstalls it.
         """
         w = PressureWatch(

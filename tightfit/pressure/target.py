@@ -1,21 +1,21 @@
 """The target occupancy: what ``target`` options mean in bytes, and the default.
 
-A target is the usage a device should stay under (:class:`~tightfit.paging.occupancy.
-OccupancyControl` keeps it, :class:`~tightfit.paging.watch.PressureWatch` checks it between
+A target is the usage a device should stay under (:class:`~tightfit.pressure.occupancy.
+OccupancyControl` keeps it, :class:`~tightfit.pressure.watch.PressureWatch` checks it between
 blocks): a fraction of the probe's capacity, or bytes. ``"auto"`` (:func:`default_target`) is
 a fraction where a capacity says how much memory there is, and off where none does.
 """
 
 from __future__ import annotations
 
-from tightfit.paging.probes import Probe
+from tightfit.pressure.probes import Probe
 
 __all__ = ["DEFAULT_CGROUP_TARGET", "DEFAULT_CUDA_TARGET", "default_target", "resolve_target"]
 
 #: Default target on CUDA, as a fraction of the device's capacity.
 DEFAULT_CUDA_TARGET = 0.9
 #: Default target on the CPU under a memory cgroup, as a fraction of the cgroup's limit, read
-#: against what the cgroup charges less its page cache (:class:`~tightfit.paging.probes.
+#: against what the cgroup charges less its page cache (:class:`~tightfit.pressure.probes.
 #: CgroupProbe`); the rest of the limit is room for the page cache a run keeps using (the
 #: libraries' code, the spill file). Measured: benchmarks/results/spike_cli.md.
 DEFAULT_CGROUP_TARGET = 0.9
@@ -25,7 +25,7 @@ def default_target(probe: Probe) -> float | None:
     """The target ``"auto"`` means for ``probe``'s device, or ``None`` where none can act.
 
     CUDA: :data:`DEFAULT_CUDA_TARGET` of the device. The CPU: :data:`DEFAULT_CGROUP_TARGET`
-    of the capacity when the probe knows one (a :class:`~tightfit.paging.probes.CgroupProbe`,
+    of the capacity when the probe knows one (a :class:`~tightfit.pressure.probes.CgroupProbe`,
     the default under a memory cgroup with a limit); without one nothing says how much memory there is,
     so ``None`` (pass bytes to turn pressure handling on).
     """

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tightfit.paging.probes import CudaProbe, FakeProbe, RSSProbe, cgroup_memory_limit
+from tightfit.pressure.probes import CudaProbe, FakeProbe, RSSProbe, cgroup_memory_limit
 
 MiB = 2**20
 
@@ -70,7 +70,7 @@ def test_rss_probe_sees_a_touched_allocation_come_and_go() -> None:
 
 _TRANSIENT = """
 import torch
-from tightfit.paging.probes import RSSProbe
+from tightfit.pressure.probes import RSSProbe
 MiB = 2**20
 probe = RSSProbe(capacity_bytes=64 * 2**30)
 probe.interval_peak_bytes()  # forget what importing did

@@ -4,7 +4,7 @@ An atomic write goes to a temp file next to its target, then ``os.replace`` puts
 A process killed mid-write (``kill -9``, the OOM killer, a power cut) leaves the temp behind,
 and for a saved optimizer state it is the size of the state. So the temp's *name* carries its
 owner (pid, process start time and a hash of the host name, as the spill folders' owner files
-do, :mod:`tightfit.tiers.owner`), and the next write or run in the same folder removes the
+do, :mod:`tightfit.integrity.owners`), and the next write or run in the same folder removes the
 temps whose process no longer exists. A name is known before the file exists, so a caller that
 creates it inside ``try`` can always remove it again, even when an interrupt lands in the
 middle of the creating call; a kill is what the name is for.
@@ -22,7 +22,7 @@ import secrets
 import socket
 import zlib
 
-from tightfit.tiers.owner import Owner, Removed, remove_dead, this_process
+from tightfit.integrity.owners import Owner, Removed, remove_dead, this_process
 
 # p<pid>.s<start time, ms>.h<crc32 of the host name>: letters and digits only, any file system
 _TOKEN = re.compile(r"p(\d+)\.s(\d+)\.h([0-9a-f]{8})")

@@ -14,9 +14,9 @@ from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim.adamw import PagedAdamW
-from tightfit.paging.occupancy import OccupancyControl
-from tightfit.paging.probes import FakeProbe
-from tightfit.paging.watch import PressureWatch
+from tightfit.pressure.occupancy import OccupancyControl
+from tightfit.pressure.probes import FakeProbe
+from tightfit.pressure.watch import PressureWatch
 
 from .trace import sample_everywhere
 
@@ -146,7 +146,7 @@ def test_first_step_places_only_what_fits_under_the_target() -> None:
 def test_eviction_on_the_cpu_really_leaves_rss() -> None:
     # Pages written to the MAP_SHARED spill file stay in RSS until unmapped, and freed 4 MiB
     # buffers can stay in glibc's heap: the control releases both, so an RSS probe sees it.
-    from tightfit.paging.probes import RSSProbe
+    from tightfit.pressure.probes import RSSProbe
 
     ps = [nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]  # 32 MiB of AdamW state
     probe = RSSProbe(capacity_bytes=64 << 30)
@@ -177,7 +177,7 @@ def test_target_errors_name_the_fix() -> None:
 
 @pytest.mark.cuda
 def test_cuda_spikes_drain_pages_to_host_and_training_matches_torch() -> None:
-    from tightfit.paging.probes import CudaProbe
+    from tightfit.pressure.probes import CudaProbe
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)

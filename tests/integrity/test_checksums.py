@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from tightfit.tiers import integrity
-from tightfit.tiers.integrity import (
+from tightfit.integrity import checksums
+from tightfit.integrity.checksums import (
     STRIPE,
     checksum,
     copy_and_checksum,
@@ -62,7 +62,7 @@ def test_striped_page_checksum_sees_every_stripe_and_matches_the_copy() -> None:
 
 def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypatch) -> None:
     src = torch.randn(4 * STRIPE // 4).view(torch.uint8)
-    real, calls = integrity.checksum, []
+    real, calls = checksums.checksum, []
 
     def flaky(data: torch.Tensor) -> int:
         calls.append(data.numel())
@@ -74,7 +74,7 @@ def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypa
     with pytest.raises(OSError, match="disk read failed"):
         copy_and_checksum(torch.empty_like(src), src)
     assert len(calls) == 4  # every stripe ran (or was running) before the error went on
-    pool, _ = integrity._pool()
+    pool, _ = checksums._pool()
     assert pool.submit(lambda: 1).result(timeout=5) == 1  # the pool lives on
 
 

@@ -37,7 +37,7 @@ from tightfit.checkpoint import enable, enable_tiling, profile, tiling_of
 from tightfit.checkpoint.extrapolate import crop, example_length, profile_from_crops
 from tightfit.checkpoint.plan import Plan
 from tightfit.checkpoint.solver import min_peak
-from tightfit.qlora.options import PrepareOptions
+from tightfit.qlora.prepare_options import PrepareOptions
 from tightfit.tiers.regions import meminfo
 
 CROP_TOKENS = 2048  # tokens of a step (batch × sequence) in the longer crop of a long example
@@ -167,7 +167,7 @@ def machine_room(dev: torch.device) -> int:
         if callable(fraction):
             room = min(room, int(fraction(dev) * total) - allocated)
         return int(room)
-    from tightfit.paging.probes import RSSProbe, cgroup_memory_limit
+    from tightfit.pressure.probes import RSSProbe, cgroup_memory_limit
 
     rooms = [_mem_available()]
     limit = cgroup_memory_limit()

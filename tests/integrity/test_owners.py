@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 
 import psutil
 
-from tightfit.tiers.owner import (
+from tightfit.integrity.owners import (
     OWNER_FILE,
     Owner,
     is_alive,

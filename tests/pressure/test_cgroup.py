@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tightfit.paging import occupancy, probes
-from tightfit.paging.cgroup import MemoryCgroup, limiting_cgroup, memory_cgroups, stat_value
-from tightfit.paging.probes import CgroupProbe, RSSProbe
+from tightfit.pressure import occupancy, probes
+from tightfit.pressure.cgroup import MemoryCgroup, limiting_cgroup, memory_cgroups, stat_value
+from tightfit.pressure.probes import CgroupProbe, RSSProbe
 
 MiB = 2**20
 V1_STAT = ("cache 5\nrss 7\ninactive_file 1\nactive_file 2\ntotal_cache {cache}\n"
@@ -111,8 +111,8 @@ def test_cgroup_probe_sees_a_touched_allocation_come_and_go() -> None:
 
 _TRANSIENT = """
 import torch
-from tightfit.paging.cgroup import memory_cgroups
-from tightfit.paging.probes import CgroupProbe
+from tightfit.pressure.cgroup import memory_cgroups
+from tightfit.pressure.probes import CgroupProbe
 MiB = 2**20
 cg = next(c for c in memory_cgroups() if c.charge_file.exists() and c.stat_file.exists())
 probe = CgroupProbe(cg, capacity_bytes=64 << 30)

@@ -13,7 +13,7 @@ import pytest
 
 from tightfit.planner.mechanisms import unavailable
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.verify import compare, relative_error
 
 GQA5 = ModelShape("h160-L5-gqa5", hidden=160, intermediate=432, layers=5, heads=5, kv_heads=1,

@@ -1,6 +1,6 @@
 """The options of ``tightfit train``: the run itself, its data, and every piece's options grouped.
 
-The command line (:mod:`tightfit.train.cli`) is generated from these dataclasses, so flags,
+The command line (:mod:`tightfit.train.train_command`) is generated from these dataclasses, so flags,
 defaults and help never drift from the Python API. Each dataclass checks its own values.
 
 The defaults of a :class:`RunConfig` are the QLoRA recipe (Dettmers et al. 2023 and its
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from tightfit.optim.registry import OptimizerOptions
-from tightfit.qlora.options import LoraOptions, PrepareOptions
+from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
 LrSchedule = Literal["constant", "linear", "cosine"]
 DataFormat = Literal["auto", "raw", "text", "prompt-completion", "chat"]

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import tightfit.checkpoint as ck
-from tightfit.checkpoint.blocks import resolve_blocks
+from tightfit.model.blocks import resolve_blocks
 
 from .conftest import tiny_llama
 

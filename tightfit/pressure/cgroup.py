@@ -2,7 +2,7 @@
 
 One definition of the cgroup-path logic, for the limit (:func:`limiting_cgroup`,
 ``probes.cgroup_memory_limit``) and for the probe that reads what the cgroup charges
-(:class:`~tightfit.paging.probes.CgroupProbe`). Both cgroup versions:
+(:class:`~tightfit.pressure.probes.CgroupProbe`). Both cgroup versions:
 
 - v2 (unified): ``memory.max``, ``memory.current``; ``memory.stat`` is hierarchical.
 - v1: ``memory.limit_in_bytes``, ``memory.usage_in_bytes``; ``memory.stat``'s ``total_*``

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tightfit
 from tightfit.qlora.quantize import linear4bit_layers
-from tightfit.qlora.state4bit import take_saved_quant_state
+from tightfit.qlora.saved_quant_state import take_saved_quant_state
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,

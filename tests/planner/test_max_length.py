@@ -14,10 +14,10 @@ from tightfit.planner.activations import backward_transient_bytes, layer_saved_b
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.host import host_limit
 from tightfit.planner.ladder import Sizing, evaluate, ladder, plan, sized
-from tightfit.planner.longctx import search
+from tightfit.planner.max_length import search
 from tightfit.planner.peak import offloaded_bytes, plan_peak
 from tightfit.planner.presets import PRESETS, ModelShape
-from tightfit.planner.setup import TrainSetup
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.speed import slowdown
 
 # h8 i16, 3 layers, 2 heads of 4 (q = 8), 1 kv head (kv = 4), vocabulary 32

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdamW
-from tightfit.paging.probes import FakeProbe
-from tightfit.paging.target import default_target
-from tightfit.paging.watch import PressureWatch
+from tightfit.pressure.probes import FakeProbe
+from tightfit.pressure.target import default_target
+from tightfit.pressure.watch import PressureWatch
 
 from .test_occupancy import PAGE, Chain, FakeDevice
 

@@ -19,8 +19,8 @@ from tightfit.checkpoint.apply import is_enabled
 from tightfit.checkpoint.profile import step_loss
 from tightfit.loss import is_chunked_loss_enabled
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.qlora import longctx
-from tightfit.qlora.options import PrepareOptions
+from tightfit.checkpoint import long_step
+from tightfit.qlora.prepare_options import PrepareOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
                                         "ignore:tightfit.checkpoint")
@@ -101,8 +101,8 @@ def test_a_machine_too_small_for_the_plain_step_is_profiled_from_crops(
     lowest, ref = every
     # a machine with room for the crops' unchecked steps but not the full one's; crops of
     # at most T / 2 tokens of the example
-    monkeypatch.setattr(longctx, "machine_room", lambda dev: int(1.2 * lowest))
-    monkeypatch.setattr(longctx, "CROP_TOKENS", T // 2)
+    monkeypatch.setattr(long_step, "machine_room", lambda dev: int(1.2 * lowest))
+    monkeypatch.setattr(long_step, "CROP_TOKENS", T // 2)
     budget = int(0.6 * lowest)
     model = _prepare(base, checkpoint_budget=budget)
     info = model.tightfit_info
@@ -123,7 +123,7 @@ def test_a_budget_only_offload_meets_puts_activations_in_the_spill_file(
     budget = int(min_peak(tiled.profile)) - (64 << 10)
     # this model's saved tensors are KiBs: let storages above 16 KiB move (the default
     # 1 MiB floor is for real models, where smaller moves cost more than they free)
-    monkeypatch.setattr(longctx, "enable", functools.partial(enable, offload_min_bytes=16 << 10))
+    monkeypatch.setattr(long_step, "enable", functools.partial(enable, offload_min_bytes=16 << 10))
     model = _prepare(base, checkpoint_budget=budget, offload_dir=str(tmp_path))
     plan = model.tightfit_info.plan
     assert any(s.offloads for s in plan.segments) and plan.host_bytes > 0
@@ -186,9 +186,9 @@ def test_none_spells_no_tiles_and_a_number_always_tiles(base: tuple) -> None:
 def test_a_planned_rows_placement_reaches_train_as_prepare_options(offload: str,
                                                                    tile: int | None) -> None:
     from tightfit.cli import build_parser
-    from tightfit.planner.setup import TrainSetup
+    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.train_args import missing_train_options, train_args
-    from tightfit.train.cli import config_from_args
+    from tightfit.train.train_command import config_from_args
 
     setup = TrainSetup(seq_len=4096, checkpoint="every", offload=offload,  # type: ignore[arg-type]
                        mlp_tile=tile)

@@ -4,7 +4,7 @@ Optimizer state is not needed during forward and backward, so it is the first th
 make room when activations spike (a long sequence, an odd batch, the recompute of a
 checkpointed segment). :class:`PressureWatch` installs cheap hooks on a model's blocks — a
 forward pre-hook, and a backward "pre-hook" (a hook on the block output's gradient, which fires
-before the block's backward runs) — that read a :class:`~tightfit.paging.probes.Probe` and call
+before the block's backward runs) — that read a :class:`~tightfit.pressure.probes.Probe` and call
 back with the bytes to free when the headroom under the target falls below a margin, i.e.
 *before* the next block allocates.
 
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from tightfit.checkpoint.blocks import find_blocks
-from tightfit.paging.probes import Probe
+from tightfit.model.blocks import find_blocks
+from tightfit.pressure.probes import Probe
 
 __all__ = ["PressureWatch", "WatchStats", "find_watch_blocks"]
 
@@ -44,7 +44,7 @@ PressureCallback = Callable[[int, str], int]
 def find_watch_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules to watch: the model's chain of blocks, then its output head.
 
-    The blocks are the checkpoint planner's chain (:func:`tightfit.checkpoint.blocks.find_blocks`,
+    The blocks are the checkpoint planner's chain (:func:`tightfit.model.blocks.find_blocks`,
     a transformer's decoder layers). The output head (``get_output_embeddings()`` on Hugging
     Face models) is added because its logits are often the largest single allocation of a
     step. A model without a chain of blocks is watched through its direct children.

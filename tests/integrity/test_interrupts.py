@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tightfit.paging.interrupts import hold_interrupts
+from tightfit.integrity.interrupts import hold_interrupts
 
 
 def test_a_signal_inside_waits_for_the_safe_point() -> None:

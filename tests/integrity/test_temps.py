@@ -10,15 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tightfit.tiers.owner import this_process
-from tightfit.tiers.temps import owner_of, remove_stale_temps, temp_path
+from tightfit.integrity.owners import this_process
+from tightfit.integrity.temps import owner_of, remove_stale_temps, temp_path
 
 PREFIX = ".thing.tmp-"
 
 
 def _dead_token() -> str:
     """The owner token of a process that has exited."""
-    code = "from tightfit.tiers.temps import owner_token; print(owner_token())"
+    code = "from tightfit.integrity.temps import owner_token; print(owner_token())"
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True).stdout.strip()
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from tightfit.paging.probes import Probe
+from tightfit.pressure.probes import Probe
 
 # 8 MiB: a few MiB, as the budget granularity and the 2-page streaming window want. Kernel
 # cost no longer depends on it on the CPU (slabs join resident pages into one view per param;
@@ -74,6 +74,6 @@ def resolve(owner: str, given: Mapping[str, Any]) -> PagingOptions:
     if unknown:
         raise TypeError(
             f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}; its "
-            f"paging options are {', '.join(DEFAULTS)} (see tightfit.optim.options.PagingOptions)"
+            f"paging options are {', '.join(DEFAULTS)} (see tightfit.optim.optimizer_options.PagingOptions)"
         )
     return {**DEFAULTS, **given}  # type: ignore[return-value,typeddict-item]

@@ -1,11 +1,15 @@
-"""Paged optimizers beyond one GPU: FSDP2 (DTensor) shards, DDP replicas, DCP resume state.
+"""tightfit.distributed: paged optimizers beyond one GPU: FSDP2 (DTensor) shards, DDP, DCP.
 
-Modules:
-    launch: process group from torchrun's environment; a guarded torchrun runner.
-    parallelize: FSDP2 per block or DDP over the default process group.
+Here:
+    launch: the process group from torchrun's environment (``init_from_env``, ``DistInfo``);
+        a guarded torchrun runner and ``free_port``.
+    parallelize: ``shard_model(model, "fsdp" | "ddp")``: FSDP2 per block, or DDP.
     dcp: save/resume model + optimizer state with torch.distributed.checkpoint (any rank count).
     selfcheck: ``torchrun … -m tightfit.distributed.selfcheck``: paged vs torch AdamW.
 
-The DTensor helpers the optimizers need live with them (:mod:`tightfit.optim.dtensor`); the
-job ``tightfit train`` runs under torchrun is :mod:`tightfit.train.job`.
+May import every folder up to planner (measure … optim, qlora, report, planner); it uses
+model (``find_blocks``) and optim. The DTensor helpers the optimizers need live with them
+(:mod:`tightfit.optim.dtensor`); the job ``tightfit train`` runs under torchrun is
+:mod:`tightfit.train.job`. Entry point: :func:`tightfit.distributed.parallelize.shard_model`
+(from the command line, ``torchrun … -m tightfit.cli train [--fsdp]``).
 """

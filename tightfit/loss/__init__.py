@@ -1,9 +1,19 @@
 """tightfit.loss: the LM head and loss, computed in chunks.
 
-``chunked_cross_entropy`` is the loss; ``enable_chunked_loss``/``disable_chunked_loss`` wire
-it into an HF causal LM (applying the model's ``LogitTransform``: Gemma 2's soft-cap, ...);
-``auto_chunk_tokens`` and ``predict_head_loss_bytes`` size it for
-the planners (the head+loss is the last segment of the layer chain).
+Here:
+    chunked: ``chunked_cross_entropy``, the head + cross-entropy a chunk of tokens at a time,
+        gradients included.
+    hf: ``enable_chunked_loss``/``disable_chunked_loss``, wiring it into an HF causal LM
+        (peft-wrapped or not) without editing its code; ``predict_model_head_loss_bytes``.
+    transform: ``LogitTransform``, what some families apply to the logits first (Gemma 2's
+        soft-cap, Cohere's and Granite's scale).
+    router: the load-balancing loss a MoE model adds, for the chunked forward.
+    sizing: ``auto_chunk_tokens`` and ``predict_head_loss_bytes``, for the planners (the
+        head + loss is the last segment of the layer chain).
+
+May import measure, model, integrity and tiers; it needs none of them (torch and
+transformers only).
+Entry point: :func:`tightfit.enable_chunked_loss`; the names below are re-exported here.
 """
 
 from tightfit.loss.chunked import chunked_cross_entropy

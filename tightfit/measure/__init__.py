@@ -1,1 +1,11 @@
-"""tightfit.measure: live-byte tracking (CPU and CUDA), byte sizes and dtype names; lowest level."""
+"""tightfit.measure: live-byte tracking (CPU and CUDA), byte sizes and dtype names; lowest level.
+
+Here:
+    tracker: ``MemoryTracker``, peak live tensor bytes on the CPU or CUDA, with phase marks;
+        ``external_allocated``/``external_freed`` for bytes torch does not see.
+    sizes: ``parse_bytes``/``format_bytes``, sizes as people write them ("24GiB", "512MiB").
+    dtypes: the dtype names of the CLI, the planner and the Python API (``torch_dtype``).
+
+Imports nothing of tightfit: every other folder may import it. Entry point:
+:class:`tightfit.MemoryTracker` (:class:`tightfit.measure.tracker.MemoryTracker`).
+"""

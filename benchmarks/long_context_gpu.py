@@ -112,7 +112,7 @@ def replan(model: torch.nn.Module, batch: dict) -> torch.nn.Module:
     ``batch``, on the same weights and adapters."""
     import tightfit.checkpoint as ck
     from tightfit.loss import disable_chunked_loss, enable_chunked_loss
-    from tightfit.checkpoint.long_step import plan_activations
+    from tightfit.qlora.prepare import plan_step
 
     info = model.tightfit_info
     ck.disable(model)
@@ -123,7 +123,7 @@ def replan(model: torch.nn.Module, batch: dict) -> torch.nn.Module:
         enable_chunked_loss(model, info.options.loss_chunks)
         info.loss_chunks = info.options.loss_chunks
     info.notes = []
-    info.plan = plan_activations(model, info.options, batch, info.device, info)
+    plan_step(model, info, batch)
     return model
 
 

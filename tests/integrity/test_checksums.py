@@ -70,7 +70,7 @@ def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypa
             raise OSError(5, "disk read failed")
         return real(data)
 
-    monkeypatch.setattr(integrity, "checksum", flaky)
+    monkeypatch.setattr(checksums, "checksum", flaky)
     with pytest.raises(OSError, match="disk read failed"):
         copy_and_checksum(torch.empty_like(src), src)
     assert len(calls) == 4  # every stripe ran (or was running) before the error went on

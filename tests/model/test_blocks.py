@@ -10,7 +10,7 @@ from torch import nn
 import tightfit.checkpoint as ck
 from tightfit.model.blocks import resolve_blocks
 
-from .conftest import tiny_llama
+from ..checkpoint.conftest import tiny_llama
 
 
 def test_finds_hf_decoder_layers_plain_and_under_peft() -> None:

@@ -14,12 +14,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import tightfit
-from tightfit.checkpoint import enable, tiling_of
+from tightfit.checkpoint import enable, long_step, tiling_of
 from tightfit.checkpoint.apply import is_enabled
 from tightfit.checkpoint.profile import step_loss
 from tightfit.loss import is_chunked_loss_enabled
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.checkpoint import long_step
+from tightfit.qlora import prepare as prepare_module
 from tightfit.qlora.prepare_options import PrepareOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
@@ -101,7 +101,7 @@ def test_a_machine_too_small_for_the_plain_step_is_profiled_from_crops(
     lowest, ref = every
     # a machine with room for the crops' unchecked steps but not the full one's; crops of
     # at most T / 2 tokens of the example
-    monkeypatch.setattr(long_step, "machine_room", lambda dev: int(1.2 * lowest))
+    monkeypatch.setattr(prepare_module, "machine_room", lambda dev: int(1.2 * lowest))
     monkeypatch.setattr(long_step, "CROP_TOKENS", T // 2)
     budget = int(0.6 * lowest)
     model = _prepare(base, checkpoint_budget=budget)
@@ -186,8 +186,8 @@ def test_none_spells_no_tiles_and_a_number_always_tiles(base: tuple) -> None:
 def test_a_planned_rows_placement_reaches_train_as_prepare_options(offload: str,
                                                                    tile: int | None) -> None:
     from tightfit.cli import build_parser
-    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.train_args import missing_train_options, train_args
+    from tightfit.planner.train_setup import TrainSetup
     from tightfit.train.train_command import config_from_args
 
     setup = TrainSetup(seq_len=4096, checkpoint="every", offload=offload,  # type: ignore[arg-type]

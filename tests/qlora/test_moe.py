@@ -107,7 +107,12 @@ def test_expert_bytes_are_what_bitsandbytes_gives_each_expert(family: str) -> No
                 assert torch.equal(got.absmax, qs.absmax) and got.absmax.nbytes == math.ceil(n / 64)
                 assert torch.equal(got.state2.absmax, qs.state2.absmax)
                 assert torch.equal(got.offset, qs.offset) and tuple(got.shape) == tuple(qs.shape)
-                assert rel(spec.dequantize(module, e), stack[e]) < 0.15  # as dense layers
+                # what bitsandbytes' own dequantization gives (its CPU kernel's error is
+                # shape- and machine-dependent: 0.09 for a randn 32x64, 0.40 for a 64x32 on
+                # this one)
+                want = bnbF.dequantize_4bit(q, qs).to(stack.dtype)
+                want = want.t() if module.is_transposed else want
+                assert torch.allclose(spec.dequantize(module, e), want)
     # 4-bit storage between steps: a forward and backward leave it packed
     pm(**batch()).loss.backward()
     assert not [n for n, p in pm.named_parameters() if p.is_floating_point() and p.dim() >= 3]

@@ -28,17 +28,29 @@ bytes it would need (the solver's error), saying what was tried.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from tightfit.checkpoint import enable, enable_tiling, profile, tiling_of
+from tightfit.checkpoint.api import disable, enable
+from tightfit.checkpoint.cost import predict
 from tightfit.checkpoint.extrapolate import crop, example_length, profile_from_crops
-from tightfit.checkpoint.plan import Plan
+from tightfit.checkpoint.plan import OffloadMode, Plan, structural_segments
+from tightfit.checkpoint.profile import profile
 from tightfit.checkpoint.solver import min_peak
-from tightfit.qlora.prepare_options import PrepareOptions
-from tightfit.tiers.regions import meminfo
+from tightfit.checkpoint.tile_cost import Base, predict_mlp_bytes
+from tightfit.checkpoint.tiling import Tiling, disable_tiling, enable_tiling, tiling_of
+from tightfit.loss import (
+    auto_chunk_tokens,
+    disable_chunked_loss,
+    enable_chunked_loss,
+    head_kind_of,
+    is_chunked_loss_enabled,
+    logit_transform_of,
+)
+from tightfit.tiers.spill import check_spill_dir
 
 CROP_TOKENS = 2048  # tokens of a step (batch × sequence) in the longer crop of a long example
 MIN_CROP_TOKENS = 64
@@ -49,12 +61,37 @@ MARGIN_BYTES = 256 << 20
 _MIB = 1 << 20
 
 
-def check_inputs(model: nn.Module, options: PrepareOptions, example: Any) -> None:
+@dataclass(frozen=True)
+class Adapters:
+    """What the MLP tile predictor needs to know of the layers it tiles."""
+
+    lora_rank: int = 0  # 0: no adapters
+    lora_dropout: float = 0.0
+    base: Base = "frozen"  # "4bit", "frozen" or "trainable"
+
+
+@dataclass
+class ActivationPlan:
+    """What :func:`plan_activations` installed on the model.
+
+    Attributes:
+        plan: The checkpoint plan (``None``: checkpointing off).
+        tiling: The tiled MLPs (``None``: untiled).
+        loss_chunks: Tokens per loss chunk sized for a long step (``None``: the chunk the
+            model had is kept).
+        notes: Anything the caller should know (a fallback, the long-context route taken).
+    """
+
+    plan: Plan | None = None
+    tiling: Tiling | None = None
+    loss_chunks: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def check_inputs(model: nn.Module, example: Any, spill_dir: str | None) -> None:
     """Refuse an activation spill folder that cannot be written and an example longer than
     the model's position limit, before anything changes."""
-    from tightfit.tiers.spill import check_spill_dir
-
-    check_spill_dir(options.offload_dir)
+    check_spill_dir(spill_dir)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if example is None or not isinstance(limit, int):
         return
@@ -65,20 +102,35 @@ def check_inputs(model: nn.Module, options: PrepareOptions, example: Any) -> Non
                          f"pass sequences of at most {limit} tokens.")
 
 
-def plan_activations(model: nn.Module, options: PrepareOptions, example: Any,
-                     dev: torch.device, info: Any) -> Plan | None:
-    """Install the checkpoint plan of ``options`` (with offload, tiles and chunk when a long
-    step needs them) and return it; ``info`` (a ``PrepareInfo``) gets the tiling, the loss
-    chunk and notes."""
+def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
+                     checkpoint: str | None, checkpoint_budget: int | None,
+                     offload: OffloadMode, host_budget: int | None, spill_dir: str | None,
+                     mlp_tile: int | Literal["auto"] | None,
+                     loss_chunks: int | Literal["auto"] | None,
+                     compute_dtype: torch.dtype, adapters: Adapters, room: int) -> ActivationPlan:
+    """Install the checkpoint plan (with offload, tiles and a loss chunk when a long step
+    needs them) and say what was installed.
+
+    Args:
+        model: The prepared model (its loss already chunked when ``loss_chunks`` asks it).
+        example: A batch of the run's shape (``None``: fixed policies only).
+        dev: Where the model lives.
+        checkpoint, checkpoint_budget, offload, host_budget, spill_dir, mlp_tile,
+            loss_chunks: As :class:`tightfit.PrepareOptions` names them.
+        compute_dtype: The dtype of the matmuls.
+        adapters: The LoRA adapters on the layers (for the MLP tile's prediction).
+        room: Bytes a step could add on ``dev`` now (:func:`tightfit.pressure.room.machine_room`).
+    """
     # prepare returns the model to train, and a plan is profiled on a training step: in eval
     # mode (from_pretrained's) the chunked loss also returns the full logits and the profile
     # would price a step that training never runs
     model.train()
-    if isinstance(options.mlp_tile, int):
-        info.tiling = enable_tiling(model, options.mlp_tile)
-    policy = options.checkpoint
-    if policy in (None, "none") and options.offload != "all":
-        return None
+    out = ActivationPlan()
+    if isinstance(mlp_tile, int):
+        out.tiling = enable_tiling(model, mlp_tile)
+    policy = checkpoint
+    if policy in (None, "none") and offload != "all":
+        return out
     policy = policy or "none"
     cfg = getattr(model, "config", None)
     if getattr(cfg, "use_cache", False):
@@ -86,14 +138,18 @@ def plan_activations(model: nn.Module, options: PrepareOptions, example: Any,
     example = _move_example(example, dev)
     if isinstance(example, Mapping) and "labels" not in example:
         example = {**example, "labels": example["input_ids"]}
-    tier = {"offload": options.offload, "host_budget": options.offload_host_budget,
-            "spill_dir": options.offload_dir}
+    tier = {"offload": offload, "host_budget": host_budget, "spill_dir": spill_dir}
     if policy != "budget":
-        return enable(model, policy, example=example, **tier)
-    if example is None:
-        info.notes.append("checkpoint='budget' needs an example batch; used 'sqrt' instead.")
-        return enable(model, "sqrt", **tier)
-    return _budget_plan(model, options, example, dev, info, tier)
+        out.plan = enable(model, policy, example=example, **tier)
+    elif example is None:
+        out.notes.append("checkpoint='budget' needs an example batch; used 'sqrt' instead.")
+        out.plan = enable(model, "sqrt", **tier)
+    else:
+        long = _LongStep(model, example, dev, out, tier, mlp_tile=mlp_tile,
+                         loss_chunks=loss_chunks, compute_dtype=compute_dtype,
+                         adapters=adapters)
+        out.plan = long.budget_plan(checkpoint_budget, room)
+    return out
 
 
 def _move_example(example: Any, dev: torch.device) -> Any:
@@ -104,38 +160,126 @@ def _move_example(example: Any, dev: torch.device) -> Any:
     return example
 
 
-def _budget_plan(model: nn.Module, options: PrepareOptions, example: Any, dev: torch.device,
-                 info: Any, tier: dict[str, Any]) -> Plan:
-    """The ``"budget"`` policy: today's plan when it fits, else the long-context escalation."""
-    capacity, source = options.checkpoint_budget, "checkpoint_budget"
-    room = machine_room(dev)
-    if capacity is None and dev.type == "cuda":
-        capacity, source = step_capacity(model, dev, room), "free CUDA memory"
-    crops, ext = _crops(model, example, room)
-    fits_machine = ext is None or ext.peak_bytes <= room
-    if capacity is None and not fits_machine:
-        capacity, source = step_capacity(model, dev, room), "the memory free on this machine"
-    if capacity is None:
-        return _halfway(model, example, info.notes, tier)  # the CPU without a budget
-    plain = profile(model, example) if fits_machine else ext
-    lowest = min_peak(plain)
-    if lowest <= capacity or (options.mlp_tile != "auto" and options.loss_chunks != "auto"):
-        # the plain model fits (or there is nothing to add): the plan it always had
-        budget = capacity
-        if options.checkpoint_budget is None:
-            budget = min(capacity, _halfway_budget(plain, info.notes))
-        return enable(model, "budget", budget=budget, profiled=plain, **tier)
-    return _long_plan(model, options, example, info, tier,
-                      capacity=capacity, source=source, lowest=lowest,
-                      crops=None if fits_machine else crops)
+@dataclass
+class _LongStep:
+    """The ``"budget"`` policy on one example: today's plan when it fits, else the
+    long-context escalation (tiles, a sized loss chunk, crops, offload)."""
+
+    model: nn.Module
+    example: Any
+    dev: torch.device
+    out: ActivationPlan
+    tier: dict[str, Any]  # offload, host_budget, spill_dir: checkpoint.enable's keywords
+    mlp_tile: int | Literal["auto"] | None
+    loss_chunks: int | Literal["auto"] | None
+    compute_dtype: torch.dtype
+    adapters: Adapters
+
+    def budget_plan(self, checkpoint_budget: int | None, room: int) -> Plan:
+        model, example, dev = self.model, self.example, self.dev
+        capacity, source = checkpoint_budget, "checkpoint_budget"
+        if capacity is None and dev.type == "cuda":
+            capacity, source = step_capacity(model, dev, room), "free CUDA memory"
+        crops, ext = _crops(model, example, room)
+        fits_machine = ext is None or ext.peak_bytes <= room
+        if capacity is None and not fits_machine:
+            capacity, source = step_capacity(model, dev, room), "the memory free on this machine"
+        if capacity is None:
+            return self._halfway()  # the CPU without a budget
+        plain = profile(model, example) if fits_machine else ext
+        lowest = min_peak(plain)
+        if lowest <= capacity or (self.mlp_tile != "auto" and self.loss_chunks != "auto"):
+            # the plain model fits (or there is nothing to add): the plan it always had
+            budget = capacity
+            if checkpoint_budget is None:
+                budget = min(capacity, _halfway_budget(plain, self.out.notes))
+            return enable(model, "budget", budget=budget, profiled=plain, **self.tier)
+        return self._long_plan(capacity=capacity, source=source, lowest=lowest,
+                               crops=None if fits_machine else crops)
+
+    def _halfway(self) -> Plan:
+        none_plan = enable(self.model, "none", example=self.example)
+        disable(self.model)
+        profiled = none_plan.profile  # profile once: the budget plan reuses it
+        budget = _halfway_budget(profiled, self.out.notes)
+        return enable(self.model, "budget", budget=budget, example=self.example,
+                      profiled=profiled, **self.tier)
+
+    def _long_plan(self, *, capacity: int, source: str, lowest: int,
+                   crops: tuple[int, int] | None) -> Plan:
+        """Tile the MLPs, size the loss chunk to ``capacity``, profile, and let the solver
+        offload; the model is left as it was when no plan fits."""
+        model, example, out = self.model, self.example, self.out
+        rows, length = (int(n) for n in example["input_ids"].shape[:2])
+        cap = crops[0] * rows if crops is not None else rows * length  # the shorter crop's
+        tile = self._choose_tile(rows * length, cap // 2) if self.mlp_tile == "auto" else None
+        chunk = choose_chunk(model, self.compute_dtype, length, rows, capacity, cap) \
+            if self.loss_chunks == "auto" and is_chunked_loss_enabled(model) else None
+        tried = []
+        try:
+            if tile is not None:
+                out.tiling = enable_tiling(model, tile)
+                tried.append(f"MLPs tiled in {tile} tokens")
+            if chunk is not None:
+                enable_chunked_loss(model, chunk)
+                tried.append(f"loss in chunks of {chunk} tokens")
+            prof = profile(model, example) if crops is None else \
+                profile_from_crops(model, example, crops)
+            plan = enable(model, "budget", budget=capacity, profiled=prof, **self.tier)
+        except ValueError as e:
+            if tile is not None:
+                disable_tiling(model)
+                out.tiling = tiling_of(model)
+            if chunk is not None:
+                disable_chunked_loss(model)
+                enable_chunked_loss(model, self.loss_chunks)  # type: ignore[arg-type]
+            offload = self.tier["offload"]
+            raise ValueError(f"the smallest plan of the plain model needs {lowest} bytes, above "
+                             f"the {capacity} the step may use ({source}); with "
+                             f"{', '.join(tried + [f'offload={offload}'])}: {e}") from e
+        if chunk is not None:
+            out.loss_chunks = chunk
+        profiled = ("profiled at full length" if crops is None else
+                    f"profile carried from crops of {crops[0]} and {crops[1]} tokens")
+        out.notes.append(
+            f"long context: the plain model's smallest plan needs {lowest / _MIB:.1f} MiB, "
+            f"above the {capacity / _MIB:.1f} MiB a step may use ({source}); so "
+            f"{', '.join(tried)} and offload={self.tier['offload']} ({profiled}): predicted "
+            f"peak {plan.predicted_peak_bytes / _MIB:.1f} MiB, "
+            f"{sum(s.offloads for s in plan.segments)} segments offloaded, "
+            f"{plan.host_bytes / _MIB:.1f} MiB on the next tier")
+        return plan
+
+    def _choose_tile(self, tokens: int, largest: int) -> int | None:
+        """The MLP tile (tokens) for a step of ``tokens``: the largest of at most ``largest``
+        and the hidden size whose predicted MLP backward is within ``1 / TILE_SHARE`` of the
+        smallest any tile reaches (halving from there, at least ``MIN_TILE``); ``None`` when
+        the model's MLPs cannot be tiled or predicted."""
+        cfg = getattr(self.model, "config", None)
+        hidden = getattr(cfg, "hidden_size", None)
+        inter = getattr(cfg, "intermediate_size", None)
+        if not isinstance(hidden, int) or not isinstance(inter, int):
+            self.out.notes.append("long context: the MLPs are not tiled (no hidden_size / "
+                                  "intermediate_size in the model's config)")
+            return None
+        a = self.adapters
+        kw = {"lora_rank": a.lora_rank, "lora_dropout": a.lora_dropout, "base": a.base}
+        tile = max(MIN_TILE, min(hidden, largest, tokens))
+        try:
+            floor = predict_mlp_bytes(tokens, hidden, inter, self.compute_dtype, tile=MIN_TILE,
+                                      **kw).backward_peak_bytes
+            while tile // 2 >= MIN_TILE and predict_mlp_bytes(
+                    tokens, hidden, inter, self.compute_dtype, tile=tile,
+                    **kw).backward_peak_bytes > floor * (1 + 1 / TILE_SHARE):
+                tile //= 2
+        except ValueError as e:  # a combination tile_cost does not model: the largest tile
+            self.out.notes.append(f"long context: MLP tile not predicted ({e}); {tile} tokens")
+        return tile
 
 
 def _halfway_budget(prof: Any, notes: list[str]) -> int:
     """No budget given: halfway between the smallest peak any plan reaches and no
     checkpointing, so the plan saves memory at a fraction of every-layer recompute."""
-    from tightfit.checkpoint.cost import predict
-    from tightfit.checkpoint.plan import structural_segments
-
     lowest = int(min_peak(prof))
     none_peak = predict(prof, structural_segments("none", None, len(prof.blocks))).peak_bytes
     budget = lowest + (int(none_peak) - lowest) // 2
@@ -143,45 +287,6 @@ def _halfway_budget(prof: Any, notes: list[str]) -> int:
                  f"({lowest / _MIB:.1f} MiB) and no checkpointing ({none_peak / _MIB:.1f} MiB) = "
                  f"{budget / _MIB:.1f} MiB")
     return budget
-
-
-def _halfway(model: nn.Module, example: Any, notes: list[str], tier: dict[str, Any]) -> Plan:
-    from tightfit.checkpoint import disable
-
-    none_plan = enable(model, "none", example=example)
-    disable(model)
-    profiled = none_plan.profile  # profile once: the budget plan reuses it
-    budget = _halfway_budget(profiled, notes)
-    return enable(model, "budget", budget=budget, example=example, profiled=profiled, **tier)
-
-
-def machine_room(dev: torch.device) -> int:
-    """Bytes a step could add on ``dev`` now: CUDA's free memory (the cached part included,
-    within a per-process fraction when one is set); on the CPU the memory cgroup's room or
-    the RAM available, whichever is smaller."""
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        allocated = torch.cuda.memory_allocated(dev)
-        room = free + torch.cuda.memory_reserved(dev) - allocated
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if callable(fraction):
-            room = min(room, int(fraction(dev) * total) - allocated)
-        return int(room)
-    from tightfit.pressure.probes import RSSProbe, cgroup_memory_limit
-
-    rooms = [_mem_available()]
-    limit = cgroup_memory_limit()
-    if limit is not None:
-        rooms.append(limit - RSSProbe().used_bytes())
-    return max(0, min(rooms))
-
-
-def _mem_available() -> int:
-    if (available := meminfo().get("MemAvailable")) is not None:
-        return available
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def step_capacity(model: nn.Module, dev: torch.device, room: int) -> int:
@@ -222,94 +327,14 @@ def _crops(model: nn.Module, example: Any, room: int) -> tuple[tuple[int, int] |
     return crops, profile_from_crops(model, example, crops)
 
 
-def _long_plan(model: nn.Module, options: PrepareOptions, example: Any, info: Any,
-               tier: dict[str, Any], *, capacity: int, source: str, lowest: int,
-               crops: tuple[int, int] | None) -> Plan:
-    """Tile the MLPs, size the loss chunk to ``capacity``, profile, and let the solver
-    offload; the model is left as it was when no plan fits."""
-    from tightfit.checkpoint import disable_tiling
-    from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
-
-    rows, length = (int(n) for n in example["input_ids"].shape[:2])
-    cap = crops[0] * rows if crops is not None else rows * length  # the shorter crop's tokens
-    tile = choose_tile(model, options, info, rows * length, cap // 2) \
-        if options.mlp_tile == "auto" else None
-    chunk = choose_chunk(model, info, length, rows, capacity, cap) \
-        if options.loss_chunks == "auto" and is_chunked_loss_enabled(model) else None
-    tried = []
-    try:
-        if tile is not None:
-            info.tiling = enable_tiling(model, tile)
-            tried.append(f"MLPs tiled in {tile} tokens")
-        if chunk is not None:
-            enable_chunked_loss(model, chunk)
-            tried.append(f"loss in chunks of {chunk} tokens")
-        prof = profile(model, example) if crops is None else profile_from_crops(model, example, crops)
-        plan = enable(model, "budget", budget=capacity, profiled=prof, **tier)
-    except ValueError as e:
-        if tile is not None:
-            disable_tiling(model)
-            info.tiling = tiling_of(model)
-        if chunk is not None:
-            disable_chunked_loss(model)
-            enable_chunked_loss(model, options.loss_chunks)  # type: ignore[arg-type]
-        raise ValueError(f"the smallest plan of the plain model needs {lowest} bytes, above "
-                         f"the {capacity} the step may use ({source}); with "
-                         f"{', '.join(tried + [f'offload={options.offload}'])}: {e}") from e
-    if chunk is not None:
-        info.loss_chunks = chunk
-    profiled = ("profiled at full length" if crops is None else
-                f"profile carried from crops of {crops[0]} and {crops[1]} tokens")
-    info.notes.append(
-        f"long context: the plain model's smallest plan needs {lowest / _MIB:.1f} MiB, above "
-        f"the {capacity / _MIB:.1f} MiB a step may use ({source}); so {', '.join(tried)} and "
-        f"offload={options.offload} ({profiled}): predicted peak "
-        f"{plan.predicted_peak_bytes / _MIB:.1f} MiB, {sum(s.offloads for s in plan.segments)}"
-        f" segments offloaded, {plan.host_bytes / _MIB:.1f} MiB on the next tier")
-    return plan
-
-
-def choose_tile(model: nn.Module, options: PrepareOptions, info: Any, tokens: int,
-                largest: int) -> int | None:
-    """The MLP tile (tokens) for a step of ``tokens``: the largest of at most ``largest``
-    and the hidden size whose predicted MLP backward is within ``1 / TILE_SHARE`` of the
-    smallest any tile reaches (halving from there, at least ``MIN_TILE``); ``None`` when
-    the model's MLPs cannot be tiled or predicted."""
-    from tightfit.checkpoint.tile_cost import predict_mlp_bytes
-
-    cfg = getattr(model, "config", None)
-    hidden, inter = getattr(cfg, "hidden_size", None), getattr(cfg, "intermediate_size", None)
-    if not isinstance(hidden, int) or not isinstance(inter, int):
-        info.notes.append("long context: the MLPs are not tiled (no hidden_size / "
-                          "intermediate_size in the model's config)")
-        return None
-    lora = info.lora
-    kw = {"lora_rank": lora.r if lora is not None else 0,
-          "lora_dropout": lora.dropout if lora is not None else 0.0,
-          "base": "4bit" if options.quant else ("frozen" if lora is not None else "trainable")}
-    tile = max(MIN_TILE, min(hidden, largest, tokens))
-    try:
-        floor = predict_mlp_bytes(tokens, hidden, inter, info.compute_dtype, tile=MIN_TILE,
-                                  **kw).backward_peak_bytes
-        while tile // 2 >= MIN_TILE and predict_mlp_bytes(
-                tokens, hidden, inter, info.compute_dtype, tile=tile,
-                **kw).backward_peak_bytes > floor * (1 + 1 / TILE_SHARE):
-            tile //= 2
-    except ValueError as e:  # a combination tile_cost does not model: the largest tile
-        info.notes.append(f"long context: MLP tile not predicted ({e}); {tile} tokens")
-    return tile
-
-
-def choose_chunk(model: nn.Module, info: Any, length: int, rows: int, capacity: int,
-                 largest: int) -> int:
+def choose_chunk(model: nn.Module, compute_dtype: torch.dtype, length: int, rows: int,
+                 capacity: int, largest: int) -> int:
     """Tokens per loss chunk under the activation ``capacity`` (``loss_chunks="auto"``'s
     rule with ``activation_budget=``), at most ``largest``."""
-    from tightfit.loss import auto_chunk_tokens, head_kind_of, logit_transform_of
-
     lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     head = lm.get_output_embeddings()
     vocab = getattr(head, "out_features", None) or lm.config.vocab_size
-    chunk = auto_chunk_tokens(vocab, length, rows, info.compute_dtype, head_kind=head_kind_of(head),
+    chunk = auto_chunk_tokens(vocab, length, rows, compute_dtype, head_kind=head_kind_of(head),
                               softcap=logit_transform_of(lm).softcap is not None,
                               activation_budget=capacity)
     return max(1, min(chunk, largest))

@@ -25,12 +25,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tightfit.checkpoint.long_step import Adapters, check_inputs, plan_activations
+from tightfit.checkpoint.plan import Plan
+from tightfit.checkpoint.tiling import Tiling
 from tightfit.measure.dtypes import torch_dtype
+from tightfit.pressure.room import machine_room
 from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import check_experts, expert_modules, expert_weight_names
-from tightfit.checkpoint.long_step import check_inputs, plan_activations
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
-from tightfit.qlora.quantize import _output_head_names, quantize_base
+from tightfit.qlora.quantize import output_head_names, quantize_base
 
 
 @dataclass
@@ -62,10 +65,10 @@ class PrepareInfo:
     quantized: list[str] = field(default_factory=list)
     lora_targets: list[str] = field(default_factory=list)
     base_numel: int = 0
-    plan: Any = None
+    plan: Plan | None = None
     loss_chunks: int | str | None = None
     notes: list[str] = field(default_factory=list)
-    tiling: Any = None
+    tiling: Tiling | None = None
 
 
 def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> nn.Module:
@@ -109,7 +112,7 @@ def _lora_targets(
     any change): ``(module names, parameter names)``."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (peft adapts them)
 
-    heads = _output_head_names(model)
+    heads = output_head_names(model)
     linears = [
         n
         for n, m in model.named_modules()
@@ -242,7 +245,7 @@ def _prepare(
     dev, cdtype = _check_device_and_policy(options, device)
     model = _take_model(model_or_path)
     targets, expert_targets = _check_model(model, options, lora_opts)
-    check_inputs(model, options, example)
+    check_inputs(model, example, options.offload_dir)
     info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
@@ -286,9 +289,32 @@ def _change(
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)
 
     # -- 5. checkpoint plan (with offload, tiled MLPs and a sized chunk for a long step) ----
-    info.plan = plan_activations(model, options, example, dev, info)
+    plan_step(model, info, example)
     model.tightfit_info = info  # type: ignore[assignment]
     return model
+
+
+def plan_step(model: nn.Module, info: PrepareInfo,
+              example: Mapping[str, Any] | torch.Tensor | None) -> None:
+    """Step 5 of :func:`prepare`: install the activation plan of ``info.options`` for
+    ``example`` (checkpoint, and offload, tiled MLPs and a sized loss chunk when a long step
+    needs them) and record it in ``info``. A benchmark that replans one prepared model for
+    several lengths calls it again after undoing the last plan."""
+    options, lora = info.options, info.lora
+    adapters = Adapters(
+        lora_rank=lora.r if lora is not None else 0,
+        lora_dropout=lora.dropout if lora is not None else 0.0,
+        base="4bit" if options.quant else ("frozen" if lora is not None else "trainable"))
+    activations = plan_activations(
+        model, example, info.device, checkpoint=options.checkpoint,
+        checkpoint_budget=options.checkpoint_budget, offload=options.offload,
+        host_budget=options.offload_host_budget, spill_dir=options.offload_dir,
+        mlp_tile=options.mlp_tile, loss_chunks=options.loss_chunks,  # type: ignore[arg-type]
+        compute_dtype=info.compute_dtype, adapters=adapters, room=machine_room(info.device))
+    info.plan, info.tiling = activations.plan, activations.tiling
+    if activations.loss_chunks is not None:
+        info.loss_chunks = activations.loss_chunks
+    info.notes += activations.notes
 
 
 def _check_device_and_policy(

@@ -18,7 +18,7 @@ from tightfit.qlora.experts import quantize_experts
 from tightfit.qlora.saved_quant_state import take_saved_quant_state
 
 
-def _output_head_names(model: nn.Module) -> set[str]:
+def output_head_names(model: nn.Module) -> set[str]:
     """Qualified names of the output head (tied or not): it stays in full precision."""
     names = {"lm_head"}
     get_out = getattr(model, "get_output_embeddings", None)
@@ -54,7 +54,7 @@ def quantize_linears(
     from transformers.pytorch_utils import Conv1D
 
     device = torch.device(device)
-    skip = _output_head_names(model)
+    skip = output_head_names(model)
     replaced: list[str] = []
     for qual, module in list(model.named_modules()):
         for name, child in list(module.named_children()):

@@ -24,11 +24,11 @@ May import measure, model, integrity, tiers and loss (block discovery, ``find_bl
 """
 
 from tightfit.checkpoint.api import disable, enable, pareto
-from tightfit.model.blocks import find_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.plan import POLICIES, Plan, Segment
 from tightfit.checkpoint.profile import profile
 from tightfit.checkpoint.tiling import Tiling, disable_tiling, enable_tiling, tiling_of
+from tightfit.model.blocks import find_blocks
 
 __all__ = ["POLICIES", "BlockCost", "Plan", "Profile", "Segment", "Tiling", "disable",
            "disable_tiling", "enable", "enable_tiling", "find_blocks", "pareto", "profile",

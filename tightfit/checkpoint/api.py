@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from tightfit.checkpoint import apply
-from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.offload import tier_of, tier_speed
 from tightfit.checkpoint.plan import (
@@ -27,6 +26,7 @@ from tightfit.checkpoint.plan import (
 )
 from tightfit.checkpoint.profile import profile
 from tightfit.checkpoint.solver import frontier, make_plan
+from tightfit.model.blocks import resolve_blocks
 from tightfit.tiers.regions import tier_capacity
 from tightfit.tiers.spill import check_spill_dir
 

@@ -27,11 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tightfit.checkpoint import apply
-from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import BlockCost, Profile
 from tightfit.checkpoint.offload import shared_storages
 from tightfit.checkpoint.selective import SAVED_OPS
 from tightfit.measure.tracker import MemoryTracker
+from tightfit.model.blocks import resolve_blocks
 
 
 class _OpRecorder(TorchDispatchMode):

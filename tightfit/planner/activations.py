@@ -47,8 +47,8 @@ from tightfit.planner.moe import (
 from tightfit.planner.shapes import MLP_WEIGHTS
 
 if TYPE_CHECKING:
-    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.shapes import ModelShape
+    from tightfit.planner.train_setup import TrainSetup
 
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.
 BWD_I = 2.0

@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.shapes import ModelShape
+    from tightfit.planner.train_setup import TrainSetup
 
 
 def sdpa_bytes(shape: ModelShape, setup: TrainSetup) -> int:

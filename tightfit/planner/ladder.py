@@ -28,10 +28,10 @@ from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.presets import ModelShape, load_shape
-from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
+from tightfit.planner.train_setup import TrainSetup
 
 PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
 # Smallest MLP tile the ladder plans: below it a tile's matmuls (tile × hidden × intermediate)

@@ -64,8 +64,8 @@ def install_segments(model: nn.Module, segments: tuple[Segment, ...]) -> None:
     the small shapes a verify step runs have no storage above the default 1 MiB.
     """
     from tightfit.checkpoint import apply
-    from tightfit.model.blocks import resolve_blocks
     from tightfit.checkpoint.plan import Plan
+    from tightfit.model.blocks import resolve_blocks
 
     apply.uninstall(model)
     blocks = resolve_blocks(model, None)

@@ -31,8 +31,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tightfit.planner.train_setup import TrainSetup
     from tightfit.planner.shapes import ModelShape
+    from tightfit.planner.train_setup import TrainSetup
 
 # Fitted on small Mixtral configs (fp32 and bf16, k = 2 and 3, E = 4 and 8; the list of
 # saved tensors: int64 sort order and token / slot indices, top-k values): bytes per pair and

@@ -11,8 +11,8 @@ from tightfit.measure.sizes import format_bytes
 from tightfit.planner.estimate import Estimate, Overhead
 from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 from tightfit.planner.train_args import missing_train_options
+from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 
 
 @dataclass(frozen=True)

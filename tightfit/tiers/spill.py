@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tightfit.measure import tracker
 from tightfit.integrity.owners import Removed, remove_stale, write_owner
+from tightfit.measure import tracker
 
 SPILL_PREFIX = "tightfit-spill-"  # every private spill folder's name starts so
 

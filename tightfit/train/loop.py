@@ -28,9 +28,9 @@ from tightfit.report.report import MemoryReport, measure_report
 from tightfit.train import resume
 from tightfit.train.eval import evaluate
 from tightfit.train.memory import optimizer_stats
-from tightfit.train.run_options import RunConfig, TrainOptions
 from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
 from tightfit.train.predicted import predicted_without_pass
+from tightfit.train.run_options import RunConfig, TrainOptions
 from tightfit.train.run_setup import Run, setup
 from tightfit.train.step import StepOutOfMemory, example_on, run_step
 from tightfit.train.summary import describe_run

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from tightfit.loss import auto_chunk_tokens
 from tightfit.measure.dtypes import dtype_name
-from tightfit.pressure.occupancy import default_probe
 from tightfit.planner.estimate import Estimate, Overhead, estimate
 from tightfit.planner.presets import shape_from_config
 from tightfit.planner.train_setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
+from tightfit.pressure.occupancy import default_probe
 from tightfit.report.document import MemoryReport
 
 if TYPE_CHECKING:

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit.measure.sizes import format_bytes
 from tightfit.integrity.checksums import ALGORITHM, CorruptStateError, file_checksum
 from tightfit.integrity.owners import Removed
 from tightfit.integrity.temps import remove_stale_temps, temp_path
+from tightfit.measure.sizes import format_bytes
 from tightfit.train.run_options import LAUNCH_KEYS, RESUME_FREE, RunConfig, flag_name
 
 LATEST = "LATEST"

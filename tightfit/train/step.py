@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tightfit.measure.tracker import MemoryTracker
 from tightfit.integrity.interrupts import hold_interrupts
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.pressure.occupancy import recover_from_oom
 from tightfit.train import resume
 from tightfit.train.data import MicroBatch

@@ -39,9 +39,9 @@ from environment import cpu_model, git_commit, versions
 from spike import cgroup_figures, child_cgroup, detect_cap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tightfit.integrity.checksums import checksum, copy_and_checksum  # noqa: E402
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
 from tightfit.paging import disk  # noqa: E402
-from tightfit.integrity.checksums import checksum, copy_and_checksum  # noqa: E402
 
 MIB = 1 << 20
 

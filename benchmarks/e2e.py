@@ -51,7 +51,7 @@ def _save_model(folder: Path, a: argparse.Namespace) -> None:
 def build_tightfit(folder: Path, batch: dict, device: torch.device, a: argparse.Namespace):
     model = tightfit.prepare(folder, lora={"r": a.r, "alpha": 2 * a.r}, checkpoint="budget",
                              example=batch, device=device)
-    opt = tightfit.optimizer_for(model, "paged_adamw", lr=1e-4)
+    opt = tightfit.optimizer_for(model, kind="paged_adamw", lr=1e-4)
     return model, opt
 
 

@@ -167,7 +167,10 @@ def test_the_check_sees_lazy_relative_and_type_checking_imports() -> None:
                       "tightfit.report.report"}
 
 
-MAX_MODULE_LINES = 400
+# 500, not 400: one concept per module over splitting by the cap. The paged optimizer's base
+# (the class with its memory API, tightfit/optim/base.py) and the 8-bit base with its state-dict
+# loading (tightfit/optim/paged8bit.py) were split across files only to pass 400.
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 

@@ -41,7 +41,6 @@ _EXPORTS: dict[str, str] = {
     "CudaProbe": "tightfit.pressure.probes",
     "RSSProbe": "tightfit.pressure.probes",
     "CgroupProbe": "tightfit.pressure.probes",
-    "FakeProbe": "tightfit.pressure.probes",
     "PressureWatch": "tightfit.pressure.watch",
     "OccupancyControl": "tightfit.pressure.occupancy",
 }

@@ -208,8 +208,9 @@ def test_hooks_that_edit_inputs_or_outputs_act_once(policy: str) -> None:
 
 
 def test_pressure_watch_sees_the_recompute_in_backward() -> None:
-    from tightfit.pressure.probes import FakeProbe
     from tightfit.pressure.watch import PressureWatch
+
+    from ..pressure.fakes import FakeProbe
 
     class Chain(torch.nn.Module):
         def __init__(self) -> None:

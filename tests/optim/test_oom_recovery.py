@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdamW
-from tightfit.pressure.probes import FakeProbe
+
+from ..pressure.fakes import FakeProbe
 
 PAGE = 16 << 10
 SIZES = [3000, 5000, 4097, 9000]  # 168 KiB of state: 11 pages of at most 16 KiB

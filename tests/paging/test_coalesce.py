@@ -9,6 +9,7 @@ import torch
 
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import StateSpec, build_pages
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
 from tightfit.paging.store import PageStore
 
@@ -24,7 +25,7 @@ def _setup(tmp_path, numels, dtypes=None, specs=SPECS, unit=1, slabs=True):
     params = [torch.zeros(n, dtype=dt) for n, dt in zip(numels, dtypes)]
     for p in params:
         p.grad = torch.ones_like(p)
-    store = PageStore(torch.device("cpu"), PAGE, None, None, tmp_path, slabs=slabs)
+    store = PageStore(torch.device("cpu"), PagingOptions(PAGE, spill_dir=tmp_path), slabs=slabs)
     store.add_pages(build_pages(0, numels, dtypes, specs, unit, PAGE, first_index=0))
     store.materialize()
     return params, store

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
+from tightfit.integrity.checksums import CorruptStateError, page_checksum, zeros_checksum
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.layout import Page
-from tightfit.integrity.checksums import CorruptStateError, page_checksum, zeros_checksum
 
 PAGE = 16 << 10
 SIZES = [3000, 5000, 4097, 9000]  # 11 pages; with 4 pages of budget, 7 live on disk

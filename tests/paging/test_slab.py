@@ -11,7 +11,9 @@ import torch
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging import slab as slab_mod
 from tightfit.paging.layout import StateSpec, build_pages
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
+from tightfit.paging.store import PageStore
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
@@ -141,10 +143,8 @@ def test_release_never_zeroes_a_resident_neighbour() -> None:
 
 
 def test_slabs_are_refused_off_the_cpu() -> None:
-    from tightfit.paging.store import PageStore
-
     with pytest.raises(ValueError, match="slabs=True needs params on the CPU"):
-        PageStore(torch.device("meta"), 1 << 20, None, None, None, slabs=True)
+        PageStore(torch.device("meta"), PagingOptions(1 << 20), slabs=True)
 
 
 def test_one_kernel_view_per_param_for_bf16_params(monkeypatch) -> None:

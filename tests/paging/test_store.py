@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from tightfit.optim.adamw import PagedAdamW
-from tightfit.paging.store import PageStore
 from tightfit.integrity.owners import OWNER_FILE
+from tightfit.optim.adamw import PagedAdamW
+from tightfit.paging.paging_options import PagingOptions
+from tightfit.paging.store import PageStore
 
 from ..tiers.counting import CountingEngine, count_copies, payload_bytes
 
@@ -214,7 +215,7 @@ def test_a_store_uses_and_closes_the_engine_it_is_given(tmp_path) -> None:
             super().close()
 
     engine = Engine()
-    store = PageStore(torch.device("cpu"), PAGE, None, None, tmp_path, engine=engine)
+    store = PageStore(torch.device("cpu"), PagingOptions(PAGE, spill_dir=tmp_path), engine=engine)
     assert store.engine is engine and store.on_cpu
     with pytest.raises(AttributeError):
         store.on_cpu = False  # derived from the device, never assigned

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tightfit.paging.layout import Page, StateSpec, build_pages
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def _store(tmp_path, budget: int | None, dtypes=(torch.float32,) * 3, numels=(2500, 7, 2000),
            ) -> PageStore:  # fmt: skip
     """A store with one group's pages (9 pages, the last one partly filled, by default)."""
-    store = PageStore(torch.device("cpu"), PAGE, budget, None, tmp_path, engine=CountingEngine())
+    store = PageStore(torch.device("cpu"), PagingOptions(PAGE, budget, spill_dir=tmp_path),
+                      engine=CountingEngine())
     store.add_pages(build_pages(0, list(numels), list(dtypes), SPECS, 1, PAGE, first_index=0))
     store.materialize()
     return store

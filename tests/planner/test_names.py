@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from tightfit.checkpoint.plan import Segment, structural_segments
-from tightfit.optim.registry import OptimizerKind
+from tightfit.optim.optimizer_options import OptimizerKind
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.ladder import plan
 from tightfit.planner.peak import activation_peak, plan_peak

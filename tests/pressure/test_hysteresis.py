@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdamW
-from tightfit.pressure.probes import FakeProbe
 from tightfit.pressure.target import default_target
 from tightfit.pressure.watch import PressureWatch
 
+from .fakes import FakeProbe
 from .test_occupancy import PAGE, Chain, FakeDevice
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -15,9 +15,9 @@ from torch import nn
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.pressure.occupancy import OccupancyControl
-from tightfit.pressure.probes import FakeProbe
 from tightfit.pressure.watch import PressureWatch
 
+from .fakes import FakeProbe
 from .trace import sample_everywhere
 
 D, LAYERS, SHORT, LONG, EVERY, STEPS = 128, 8, 8, 512, 3, 7

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from tightfit.pressure.probes import CudaProbe, FakeProbe, RSSProbe, cgroup_memory_limit
+from tightfit.pressure.probes import CudaProbe, RSSProbe, cgroup_memory_limit
+
+from .fakes import FakeProbe
 
 MiB = 2**20
 

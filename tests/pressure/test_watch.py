@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.pressure.probes import FakeProbe, RSSProbe
+from tightfit.pressure.probes import RSSProbe
 from tightfit.pressure.target import resolve_target
 from tightfit.pressure.watch import PressureWatch, find_watch_blocks
 
+from .fakes import FakeProbe
 from .trace import sample_everywhere
 
 MiB = 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tightfit.pressure.probes import FakeProbe
+from .fakes import FakeProbe
 
 
 def sample_everywhere(model: nn.Module, probe: FakeProbe) -> None:

@@ -50,7 +50,7 @@ def test_linears_become_nf4_with_double_quant_and_lora_on_each() -> None:
 
 def test_prepared_model_trains_on_cpu() -> None:
     pm = tightfit.prepare(tiny(), checkpoint="every", loss_chunks=16)
-    opt = tightfit.optimizer_for(pm, "adamw", lr=1e-2)
+    opt = tightfit.optimizer_for(pm, kind="adamw", lr=1e-2)
     x = torch.randint(0, 128, (2, 32))
     losses = []
     for _ in range(5):
@@ -117,10 +117,10 @@ def test_optimizer_for_builds_over_trainable_params_only() -> None:
     assert isinstance(opt, PagedAdamW)
     assert [p for g in opt.param_groups for p in g["params"]] == trainable
     opt.close()
-    ref = tightfit.optimizer_for(pm, "adamw")
+    ref = tightfit.optimizer_for(pm, kind="adamw")
     assert type(ref) is torch.optim.AdamW
     with pytest.raises(ValueError, match="unknown optimizer"):
-        tightfit.optimizer_for(pm, "adagrad")  # type: ignore[arg-type]
+        tightfit.optimizer_for(pm, kind="adagrad")  # type: ignore[arg-type]
     frozen = tiny()
     for p in frozen.parameters():
         p.requires_grad_(False)
@@ -134,10 +134,10 @@ def test_optimizer_for_builds_over_trainable_params_only() -> None:
 )
 def test_optimizer_for_kinds_and_default_betas(kind: str, betas: tuple[float, float]) -> None:
     pm = tightfit.prepare(tiny(), checkpoint=None, loss_chunks=None)
-    with tightfit.optimizer_for(pm, kind) as opt:  # type: ignore[arg-type]
+    with tightfit.optimizer_for(pm, kind=kind) as opt:
         assert type(opt).__name__.lower() == kind.replace("_", "")
         assert opt.param_groups[0]["betas"] == betas
-    sgd = tightfit.optimizer_for(pm, "paged_sgd", momentum=0.9)
+    sgd = tightfit.optimizer_for(pm, kind="paged_sgd", momentum=0.9)
     assert sgd.param_groups[0]["momentum"] == 0.9
     sgd.close()
 

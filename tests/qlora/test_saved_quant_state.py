@@ -52,7 +52,7 @@ def test_other_quantization_settings_are_refused_by_name() -> None:
 def test_accelerate_save_state_and_load_state_resume_exactly(tmp_path) -> None:
     accelerate = pytest.importorskip("accelerate")
     model = _prepared(0)
-    opt = tightfit.optimizer_for(model, "paged_adamw", lr=1e-2, page_bytes=4096,
+    opt = tightfit.optimizer_for(model, kind="paged_adamw", lr=1e-2, page_bytes=4096,
                                  device_budget=4096, spill_dir=tmp_path / "spill")  # fmt: skip
     acc = accelerate.Accelerator(cpu=True)
     model, opt = acc.prepare(model, opt)

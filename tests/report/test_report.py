@@ -83,7 +83,7 @@ def test_report_equals_independent_counts_and_measurements(tmp_path) -> None:
     r = 8
     pm = tightfit.prepare(model, checkpoint="every", loss_chunks=32, example=batch,
                           lora={"r": r, "alpha": 16}, device="cpu")
-    opt = tightfit.optimizer_for(pm, "adamw")
+    opt = tightfit.optimizer_for(pm, kind="adamw")
     pm(**batch).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -154,7 +154,7 @@ def test_paged_optimizer_row_is_its_state_not_its_tiers() -> None:
                           lora={"r": 8, "alpha": 16})
     lora_numel = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     # 136 KiB of state; a 64 KiB device tier of 16 KiB pages: the rest lives on disk
-    opt = tightfit.optimizer_for(pm, "paged_adamw", page_bytes=16 << 10, device_budget=64 << 10)
+    opt = tightfit.optimizer_for(pm, kind="paged_adamw", page_bytes=16 << 10, device_budget=64 << 10)
     try:
         pm(**batch).loss.backward()
         opt.step()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tightfit.optim.base import PagedOptimizer
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
 from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
 
@@ -68,13 +69,10 @@ def count_copies(
     seam, ``PagedOptimizer._new_store``. Returns the engines, in the order they are made."""
     engines: list[Counting] = []
 
-    def new_store(self: PagedOptimizer, device: torch.device, paging: Any) -> PageStore:
+    def new_store(self: PagedOptimizer, device: torch.device, paging: PagingOptions) -> PageStore:
         engine = make_engine(device)
         engines.append(engine)
-        return PageStore(
-            device, paging["page_bytes"], paging["device_budget"], paging["host_budget"],
-            paging["spill_dir"], slabs=self._slabs, engine=engine, **store_kwargs,  # type: ignore[arg-type]
-        )  # fmt: skip
+        return PageStore(device, paging, slabs=self._slabs, engine=engine, **store_kwargs)
 
     monkeypatch.setattr(PagedOptimizer, "_new_store", new_store)
     return engines

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tightfit.cli import main
-from tightfit.optim.registry import OptimizerOptions
+from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.train import resume
 from tightfit.train.loop import RunConfig, TrainOptions, train
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tightfit.optim.registry import OptimizerOptions
+from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.train.data import ByteTokenizer, load_train_data
 from tightfit.train.loop import train

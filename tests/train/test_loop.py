@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tightfit.cli import main
-from tightfit.optim.registry import OptimizerOptions
+from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.qlora.prepare_options import LoraOptions
 from tightfit.train import resume
 from tightfit.train.data import Batcher

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tightfit.cli import main
-from tightfit.optim.registry import OptimizerOptions
+from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.pressure import probes
 from tightfit.qlora.prepare_options import LoraOptions
 from tightfit.train import resume, run_setup

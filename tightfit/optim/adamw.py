@@ -13,15 +13,14 @@ twice.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import hyper
 from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.optimizer_options import PagingOptions
-from tightfit.optim.views import Group, StateLists, Tensors
+from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
 
@@ -53,9 +52,10 @@ class PagedAdamW(PagedOptimizer):
         fused: ``True``: torch's fused kernel (honours the AMP scaler's ``grad_scale`` and
             ``found_inf``); ``None`` with ``foreach=None``: fused where the device has it,
             else foreach; ``False``: foreach.
-        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
-            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
+        **paging_kw: the paging and pressure keywords of
+            :class:`~tightfit.optim.base.PagedOptimizer`: ``paging=PagingOptions(...)`` or its
+            fields (``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``), and
+            ``target``, ``probe``.
 
     Example:
         >>> opt = PagedAdamW(model.parameters(), lr=1e-4, device_budget=256 << 20)
@@ -79,7 +79,7 @@ class PagedAdamW(PagedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -95,7 +95,7 @@ class PagedAdamW(PagedOptimizer):
             "fused": fused,
             "decoupled_weight_decay": self._decoupled,
         }
-        super().__init__(params, defaults, **paging)
+        super().__init__(params, defaults, **paging_kw)
         if fused:  # as torch: the AMP scaler leaves unscaling and the inf check to step()
             self._step_supports_amp_scaling = True
 

@@ -10,16 +10,15 @@ Adam, fused where the device supports it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as _adam_functional
 
 from tightfit.optim import hyper, quant8
 from tightfit.optim.adamw import check_adam_group
-from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
-from tightfit.optim.views import Group, StateLists, Tensors
+from tightfit.optim.update_lists import Group, StateLists, Tensors
 
 
 class PagedAdamW8bit(Paged8bitOptimizer):
@@ -41,9 +40,10 @@ class PagedAdamW8bit(Paged8bitOptimizer):
             under ``min_8bit_size``, and the ``backend="torch"`` path), as in
             :class:`~tightfit.optim.adamw.PagedAdamW`.
         capturable, differentiable: must be ``False`` (torch's flags; paged state is neither).
-        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
-            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
+        **paging_kw: the paging and pressure keywords of
+            :class:`~tightfit.optim.base.PagedOptimizer`: ``paging=PagingOptions(...)`` or its
+            fields (``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``), and
+            ``target``, ``probe``.
 
     Example:
         >>> opt = PagedAdamW8bit(model.parameters(), lr=1e-4, device_budget=64 << 20)
@@ -69,12 +69,12 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "foreach": foreach, "fused": fused, "capturable": capturable,
                     "differentiable": differentiable}  # fmt: skip
-        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
+        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging_kw)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_adam_group(group)

@@ -1,6 +1,7 @@
 """PagedOptimizer: a ``torch.optim.Optimizer`` whose per-element state lives in pages.
 
-The base class owns the page store and the step sweep; a subclass supplies only
+The base class owns the page store, the step sweep and the memory API (``pager``,
+``set_pressure``, ``watch``, ``paging_events``, ``memory_stats``); a subclass supplies only
 
 * ``_state_specs(group)`` — the state arrays (names, dtypes, blocks) a group needs (fp32;
   float64 and complex128 params get them in float64, as torch keeps state in the param's
@@ -13,10 +14,13 @@ The base class owns the page store and the step sweep; a subclass supplies only
 * optionally ``_export_segment`` / ``_import_segment`` — conversion of one segment of state
   to/from torch's state-dict tensors (default: copy arrays of the same name).
 
-A subclass's constructor takes torch's arguments, then ``**paging`` (:class:`PagingOptions`)
-passed on unchanged. The state files use only the public API and the "friend API" below;
-``optimizer.state[p]`` is a :class:`~tightfit.optim.param_state.ParamState`; the torch state
-API (state dicts with hooks, pickling) is :mod:`tightfit.optim.torch_api`'s mixin.
+A subclass's constructor takes torch's arguments, then ``**paging_kw`` passed on unchanged:
+``paging=PagingOptions(...)`` or its fields as keywords (``page_bytes``, ``device_budget``,
+``host_budget``, ``spill_dir``), and the pressure keywords ``target`` and ``probe``. The
+state files use only the public API and the "friend API" below; ``optimizer.state[p]`` is a
+:class:`~tightfit.optim.param_state.ParamState`; torch's state API (state dicts with hooks,
+pickling) is :mod:`tightfit.optim.torch_api`'s mixin, param groups
+:mod:`tightfit.optim.param_groups`'.
 
 See ``docs/paging.md`` ("Extending: a new paged optimizer") and ``docs/optimizers.md``
 ("torch.optim compatibility").
@@ -26,40 +30,74 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Unpack
+from dataclasses import fields
+from typing import Any, ClassVar
 
 import torch
 
-from tightfit.optim import checks, optimizer_options, views
-from tightfit.optim.groups import GroupLayout
-from tightfit.optim.memory_api import MemoryAPI
-from tightfit.optim.optimizer_options import DEFAULT_PAGE_BYTES, PagingOptions
+from tightfit.integrity.interrupts import hold_interrupts
+from tightfit.optim import update_lists
+from tightfit.optim.param_groups import GroupLayout, common_device, intake
 from tightfit.optim.param_state import ParamState, StateAccess, adopt_plain_states, step_tensor
 from tightfit.optim.torch_api import TorchAPI
-from tightfit.optim.views import Group, StateLists, Tensors
-from tightfit.integrity.interrupts import hold_interrupts
+from tightfit.optim.update_lists import Group, StateLists, Tensors
+from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec
-from tightfit.pressure.occupancy import OccupancyControl, recover_from_oom
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
+from tightfit.pressure.occupancy import OccupancyControl, recover_from_oom
+from tightfit.pressure.probes import Probe
+from tightfit.pressure.watch import PressureWatch
 from tightfit.tiers.copy import CopyEngine
 
-__all__ = ["DEFAULT_PAGE_BYTES", "PagedOptimizer", "PagingOptions"]
-
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_PAGING_FIELDS = tuple(f.name for f in fields(PagingOptions))
 
 
-class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
+def check_keywords(owner: str, keywords: dict[str, Any]) -> None:
+    """Raise Python's ``TypeError`` for an unexpected keyword (plus the options there are)
+    unless every one of ``keywords`` is a paging option."""
+    unknown = [k for k in keywords if k not in ("paging", *_PAGING_FIELDS, "target", "probe")]
+    if unknown:
+        raise TypeError(
+            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}; its "
+            f"paging options are paging, {', '.join(_PAGING_FIELDS)}, target, probe (see "
+            "tightfit.paging.paging_options.PagingOptions)"
+        )
+
+
+def paging_options(paging: PagingOptions | None, keywords: dict[str, Any]) -> PagingOptions:
+    """The store's options of a constructor call: ``paging``, or made from its fields given as
+    keywords (checked there); both only when they agree (``ValueError`` naming both)."""
+    if paging is None:
+        return PagingOptions(**keywords)
+    if not isinstance(paging, PagingOptions):
+        raise TypeError(f"paging must be a PagingOptions or None, got {paging!r}")
+    differ = [f"{k}={v!r}" for k, v in keywords.items() if getattr(paging, k) != v]
+    if differ:
+        raise ValueError(f"got paging={paging!r} and {', '.join(differ)}: pass the paging "
+                         "options once, as paging=PagingOptions(...) or as keywords")
+    return paging
+
+
+class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
     """Base of the paged optimizers (see the module docstring for the subclass contract).
 
     Args:
         params: iterable of params, of ``(name, param)`` pairs (``named_parameters()``) or of
             param-group dicts, as for any torch optimizer.
         defaults: default hyperparameters of the subclass.
-        **paging: the paging and pressure options, documented once in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions` (``page_bytes``,
-            ``device_budget``, ``host_budget``, ``spill_dir``, ``target``, ``probe``); any
-            other keyword raises ``TypeError``.
+        paging: the page size, budgets and spill folder
+            (:class:`~tightfit.paging.paging_options.PagingOptions`); or give its fields as
+            keywords (``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``).
+            Any other keyword raises ``TypeError``.
+        target: keep the device's total usage (as ``probe`` reads it) under this: a fraction
+            of capacity (float, e.g. 0.9) or bytes (int; required on the CPU). Pages leave the
+            device when usage passes it and come back at later steps; ``None`` with no
+            ``probe``: no pressure handling (see ``docs/pressure.md``).
+        probe: reads the device's usage (``None``: CudaProbe on CUDA; on the CPU CgroupProbe
+            under a memory cgroup with a limit, else RSSProbe).
     """
 
     unit: ClassVar[int] = 1
@@ -75,19 +113,21 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
-        **paging: Unpack[PagingOptions],
+        *,
+        paging: PagingOptions | None = None,
+        target: float | int | None = None,
+        probe: Probe | None = None,
+        **paging_kw: Any,
     ) -> None:
-        opts = optimizer_options.resolve(type(self).__name__, paging)  # an unknown keyword: TypeError
+        check_keywords(type(self).__name__, paging_kw)  # an unknown keyword: TypeError
         self._check_group(defaults)  # bad hyperparameters raise first (as in torch)
-        params = checks.intake(params)  # torch's TypeError for a bare tensor, empty lists
-        checks.check_paging_options(
-            opts["page_bytes"], opts["device_budget"], opts["host_budget"], opts["spill_dir"]
-        )
-        device = checks.common_device(params)
-        self._paging = opts
-        self._page_bytes = opts["page_bytes"]
-        # the update lists cached per resident bucket (tightfit.optim.views): ours, emptied
-        # by the store whenever pages move or it closes, and by us when the state is replaced
+        params = intake(params)  # torch's TypeError for a bare tensor, empty lists
+        self._paging = paging_options(paging, paging_kw)
+        self._target, self._probe = target, probe
+        device = common_device(params)
+        # the update lists cached per resident bucket (tightfit.optim.update_lists): ours,
+        # emptied by the store whenever pages move or it closes, and by us when the state is
+        # replaced
         self._view_cache: dict[Any, Any] = {}
         self._access = StateAccess(self)  # optimizer.state[p]'s reads and writes
         self._pressure: OccupancyControl | None = None
@@ -109,11 +149,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         it their own copy engine (``engine=``) or to emulate an accelerator's tiers on the
         CPU (``emulate_accelerator=True``)."""
         meta = device.type == "meta"  # a placeholder until the params get real memory
-        return PageStore(
-            device, paging["page_bytes"], paging["device_budget"], paging["host_budget"],
-            paging["spill_dir"], slabs=None if meta else self._slabs,
-            engine=CopyEngine() if meta else None,
-        )  # fmt: skip
+        return PageStore(device, paging, slabs=None if meta else self._slabs,
+                         engine=CopyEngine() if meta else None)  # fmt: skip
 
     def _install_store(self, device: torch.device) -> None:
         store = self._new_store(device, self._paging)
@@ -126,8 +163,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, store.close)
         # pressure: a target occupancy (opt-in); OOM recovery in step() is always on
         self._pressure = None
-        if self._paging["target"] is not None or self._paging["probe"] is not None:
-            self._pressure = OccupancyControl(store, self._paging["probe"], self._paging["target"])
+        if self._target is not None or self._probe is not None:
+            self._pressure = OccupancyControl(store, self._probe, self._target)
 
     def _follow_device(self, action: str | None) -> None:
         """Meta params (built under ``torch.device("meta")``) hold no data: the store waits.
@@ -184,7 +221,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         each param's step count *after* this step's increment (shared between a param's
         segments, so never modify them). A view may span several pages of one param (joined
         when they lie back to back in a slab; capped by ``_view_limit``). The lists themselves
-        are reused across steps (``tightfit.optim.views``): never append to or reorder them."""
+        are reused across steps (``tightfit.optim.update_lists``): never append to or reorder them."""
         raise NotImplementedError
 
     def _takes_grad_scale(self, group: dict[str, Any]) -> bool:
@@ -211,11 +248,11 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         return {}
 
     def _init_kwargs(self) -> dict[str, Any]:
-        """Constructor keywords beyond the hyperparameters, for copies (the paging options)."""
-        return dict(self._paging)
+        """Constructor keywords beyond the hyperparameters, for copies (paging and pressure)."""
+        return {"paging": self._paging, "target": self._target, "probe": self._probe}
 
     # ------------------------------------------------------------------ friend API
-    # What state_io/state8bit/param_state use beyond the public API (typed there as
+    # What torch_format/paged8bit/param_state use beyond the public API (typed there as
     # Protocols: they never import this module): the hooks above and these.
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError``/``TypeError`` for bad hyperparameters in a complete group
@@ -233,6 +270,73 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
     def _state_replaced(self) -> None:
         """A ``step`` tensor was replaced: cached update lists hold the old one."""
         self._view_cache.clear()
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def pager(self) -> PageStore:
+        """The page store (residency, budgets, counters, events)."""
+        return self._store
+
+    def set_pressure(
+        self,
+        target: float | int | None = None,
+        probe: Probe | None = None,
+        *,
+        restore_margin_bytes: int | None = None,
+    ) -> OccupancyControl:
+        """Keep the device under ``target`` (see the ``target``/``probe`` arguments).
+
+        Replaces an earlier setting (its watches stay installed and keep their old target);
+        returns the :class:`~tightfit.pressure.occupancy.OccupancyControl`.
+        """
+        self._check_open()
+        self._pressure = OccupancyControl(
+            self._store, probe, target, restore_margin_bytes=restore_margin_bytes
+        )
+        return self._pressure
+
+    def watch(
+        self,
+        model: torch.nn.Module,
+        *,
+        margin_bytes: int | None = None,
+        min_interval_s: float = 0.005,
+        blocks: Iterable[torch.nn.Module] | None = None,
+    ) -> PressureWatch:
+        """Hook ``model``'s blocks so pages leave the device before a spike passes the target.
+
+        Uses the optimizer's target (on CUDA, 0.9 of the device when none was set; on the CPU
+        set one first: ``target=`` or :meth:`set_pressure`). See
+        :class:`~tightfit.pressure.watch.PressureWatch`; ``.remove()`` uninstalls it.
+        """
+        self._check_open()
+        if self._pressure is None:
+            self._pressure = OccupancyControl(self._store)
+        return self._pressure.watch(
+            model, margin_bytes=margin_bytes, min_interval_s=min_interval_s, blocks=blocks
+        )
+
+    def paging_events(self) -> list[PagingEvent]:
+        """Every logged residency change (evict, restore, oom, ...): time, reason, bytes, tiers."""
+        return list(self._store.events.events)
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Bytes per tier, peak device bytes and cumulative paging traffic.
+
+        Returns:
+            ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
+            ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``bytes_paged_in``,
+            ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
+            ``device_budget``, ``host_budget``, ``spill_dir``, ``evict_events``,
+            ``restore_events``, ``oom_recoveries``; with a target also ``target_bytes``,
+            ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
+            ``restored_bytes``, ``over_target_reads`` (and ``watch_*`` while watching).
+        """
+        return {
+            **self._store.stats(),
+            "oom_recoveries": self._oom_recoveries,
+            **(self._pressure.stats() if self._pressure is not None else {}),
+        }
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -343,8 +447,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
         first = items[0][0]
         group = self.param_groups[first.group]
         params = group["params"]
-        staged = views.staging(params, items, self._maybe_staged, self._access.orders)
-        lists = views.bucket_lists(
+        staged = update_lists.staging(params, items, self._maybe_staged, self._access.orders)
+        lists = update_lists.bucket_lists(
             self.state, params, items, self._view_limit, self._view_cache,
             self._access.orders, staged,
         )  # fmt: skip
@@ -361,7 +465,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, MemoryAPI, torch.optim.Optimizer):
             torch._foreach_copy_(flat, p32)
         else:
             self._update(group, flat, grads, states, steps)
-        views.unstage(params, staged, self._access.orders)
+        update_lists.unstage(params, staged, self._access.orders)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:

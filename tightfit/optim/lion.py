@@ -10,15 +10,14 @@ foreach kernels over all segments of a sweep batch; the 8-bit variant runs bitsa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 
 from tightfit.optim import hyper, quant8
 from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.optimizer_options import PagingOptions
 from tightfit.optim.paged8bit import Paged8bitOptimizer
-from tightfit.optim.views import Group, StateLists, Tensors
+from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
 
@@ -96,9 +95,10 @@ class PagedLion(PagedOptimizer):
         foreach: ``None``/``True``: torch's foreach kernels; ``False``: one tensor at a time.
         fused, capturable, differentiable: torch's flags; ``True`` raises (there is no fused
             Lion kernel; paged state is neither capturable nor differentiable).
-        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
-            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
+        **paging_kw: the paging and pressure keywords of
+            :class:`~tightfit.optim.base.PagedOptimizer`: ``paging=PagingOptions(...)`` or its
+            fields (``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``), and
+            ``target``, ``probe``.
     """
 
     def __init__(
@@ -112,11 +112,11 @@ class PagedLion(PagedOptimizer):
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay,
                     **_flags(foreach, fused, capturable, differentiable)}  # fmt: skip
-        super().__init__(params, defaults, **paging)
+        super().__init__(params, defaults, **paging_kw)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_lion(group)
@@ -135,8 +135,9 @@ class PagedLion8bit(Paged8bitOptimizer):
 
     Same arguments (and torch flags) as :class:`PagedLion` plus ``min_8bit_size`` and
     ``backend`` (see
-    :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`), then the paging options
-    (:class:`~tightfit.optim.optimizer_options.PagingOptions`). About 1.02 bytes of state per param.
+    :class:`~tightfit.optim.adamw8bit.PagedAdamW8bit`), then the paging and pressure keywords
+    (``paging=PagingOptions(...)`` or its fields, ``target``, ``probe``: see
+    :class:`~tightfit.optim.base.PagedOptimizer`). About 1.02 bytes of state per param.
     """
 
     kernel = "lion"
@@ -155,11 +156,11 @@ class PagedLion8bit(Paged8bitOptimizer):
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay,
                     **_flags(foreach, fused, capturable, differentiable)}  # fmt: skip
-        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging)
+        super().__init__(params, defaults, min_8bit_size=min_8bit_size, backend=backend, **paging_kw)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_lion(group)

@@ -1,79 +1,130 @@
-"""The paging and pressure options every paged optimizer takes, defined once.
+"""``OptimizerOptions``: every choice :func:`tightfit.optimizer_for` takes, in one object.
 
-Each optimizer's constructor lists torch's own arguments first and then ``**paging``: the
-keywords of :class:`PagingOptions`, handed unchanged to
-:class:`~tightfit.optim.base.PagedOptimizer`, which completes them with :func:`resolve` (the
-defaults, and a ``TypeError`` for a keyword that is no option) and checks their values
-(:func:`tightfit.optim.checks.check_paging_options`).
+``tightfit train`` builds its optimizer flags from the fields (their ``metadata["help"]``; a
+field with ``metadata["cli"] = False`` is for the Python API only), and
+:func:`~tightfit.optim.registry.optimizer_for` takes the object as it is. The four paging
+fields are made into the store's :class:`~tightfit.paging.paging_options.PagingOptions` once,
+here, when the options are made (checked then); that object, ``options.paging``, is what the
+optimizer, its page store and the residency plan receive.
+
+The learning rate's default is the QLoRA recipe's (:data:`RECIPE_LR`), the one that
+``tightfit train`` uses; the paged optimizer classes keep torch's own defaults.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES, PagingOptions
 from tightfit.pressure.probes import Probe
 
-# 8 MiB: a few MiB, as the budget granularity and the 2-page streaming window want. Kernel
-# cost no longer depends on it on the CPU (slabs join resident pages into one view per param;
-# benchmarks/results/optimizer_pagesize.md has the fully resident step at 4/8/16 MiB).
-DEFAULT_PAGE_BYTES = 8 << 20
+OptimizerKind = Literal[
+    "paged_adamw",
+    "paged_adam",
+    "paged_adamw8bit",
+    "paged_adam8bit",
+    "paged_lion",
+    "paged_lion8bit",
+    "paged_sgd",
+    "adamw",
+]
+# Every kind; "adamw" is torch's AdamW, the unpaged reference (tightfit.optim.registry maps
+# the others to their classes).
+KINDS: tuple[str, ...] = (
+    "paged_adamw", "paged_adam", "paged_adamw8bit", "paged_adam8bit", "paged_lion",
+    "paged_lion8bit", "paged_sgd", "adamw",
+)  # fmt: skip
+# What --target takes: "auto" (on where it can act), a fraction of capacity, bytes, or None.
+Target = float | int | Literal["auto"] | None
+
+# QLoRA's learning rate (Dettmers et al. 2023 and its reference qlora.py), the default of
+# optimizer_for and of tightfit train.
+RECIPE_LR = 2e-4
+
+_API_ONLY = {"cli": False}  # not a flag of tightfit train (see the module docstring)
 
 
-class PagingOptions(TypedDict, total=False):
-    """Paging and pressure keywords of every paged optimizer (all optional, keyword-only).
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Which optimizer, its hyperparameters, and how much of each memory tier its state may use.
 
     Attributes:
-        page_bytes: the most bytes one page holds (default 8 MiB).
-        device_budget: bytes of state allowed on the params' device (``None``: no limit).
-        host_budget: bytes of state in host RAM when the params are on an accelerator
-            (``None``: no limit; ignored on the CPU, where the next tier is disk).
-        spill_dir: folder for the spill files (a private subfolder is made and removed on
-            close); ``None``: the system temp folder.
-        target: keep the device's total usage (as ``probe`` reads it) under this: a fraction
-            of capacity (float, e.g. 0.9) or bytes (int; required on the CPU). Pages leave the
-            device when usage passes it and come back at later steps; ``None`` with no
-            ``probe``: no pressure handling (see ``docs/pressure.md``).
-        probe: reads the device's usage (``None``: CudaProbe on CUDA; on the CPU CgroupProbe under a
-            memory cgroup with a limit, else RSSProbe).
+        paging: ``page_bytes``, ``device_budget``, ``host_budget`` and ``spill_dir`` as the
+            page store takes them (made and checked with these options; not a field to set).
     """
 
-    page_bytes: int
-    device_budget: int | None
-    host_budget: int | None
-    spill_dir: str | os.PathLike | None
-    target: float | int | None
-    probe: Probe | None
+    kind: OptimizerKind = field(
+        default="paged_adamw", metadata={"help": "optimizer: " + ", ".join(KINDS)}
+    )
+    lr: float = field(default=RECIPE_LR, metadata={"help": "learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay"})
+    page_bytes: int | None = field(
+        default=None, metadata={"help": "bytes per optimizer-state page (default: the pager's)"}
+    )
+    device_budget: int | None = field(
+        default=None, metadata={"help": "bytes of optimizer state kept on the device tier"}
+    )
+    host_budget: int | None = field(
+        default=None, metadata={"help": "bytes of optimizer state kept on the host tier"}
+    )
+    spill_dir: str | None = field(
+        default=None, metadata={"help": "folder for the disk tier's spill file"}
+    )
+    target: Target = field(
+        default="auto",
+        metadata={"help": "keep the device's total usage under this, evicting optimizer pages "
+                          "before activation spikes pass it: a fraction of capacity (0.9) or "
+                          "bytes (6GiB; on the CPU it reads RSS); auto: 0.9 of a CUDA device, "
+                          "or of the memory cgroup's limit on the CPU (off without one); none: "
+                          "off (see docs/pressure.md)"},
+    )
+    betas: tuple[float, float] | None = field(
+        default=None,
+        metadata={**_API_ONLY, "help": "None: the kind's default, (0.9, 0.999) for Adam kinds, "
+                                       "(0.9, 0.99) for Lion"},
+    )
+    eps: float = field(default=1e-8, metadata={**_API_ONLY, "help": "Adam's epsilon"})
+    probe: Probe | None = field(
+        default=None,
+        metadata={**_API_ONLY, "help": "reads the device's usage (None: default_probe: CUDA's "
+                                       "allocator, the CPU's cgroup or RSS)"},
+    )
+    watch: bool = field(
+        default=True,
+        metadata={**_API_ONLY, "help": "with a target, hook the model's blocks so pages leave "
+                                       "before a spike passes it"},
+    )
+    extra: Mapping[str, Any] = field(
+        default_factory=dict, hash=False,
+        metadata={**_API_ONLY, "help": "further keywords of the optimizer class (momentum for "
+                                       "paged_sgd, amsgrad, min_8bit_size, backend, foreach, ...)"},
+    )  # fmt: skip
+    paging: PagingOptions = field(init=False, repr=False, compare=False, metadata=_API_ONLY)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown optimizer kind {self.kind!r}; choose one of {list(KINDS)}.")
+        if self.lr <= 0:
+            raise ValueError(f"learning rate must be > 0, got {self.lr}.")
+        check_target(self.target)
+        spill_dir = None if self.spill_dir is None else os.fspath(self.spill_dir)
+        page_bytes = DEFAULT_PAGE_BYTES if self.page_bytes is None else self.page_bytes
+        paging = PagingOptions(page_bytes, self.device_budget, self.host_budget, spill_dir)
+        object.__setattr__(self, "paging", paging)
 
 
-# The value of each option when it is not given; the keys are PagingOptions' own (a test
-# checks that the two agree).
-DEFAULTS: PagingOptions = {
-    "page_bytes": DEFAULT_PAGE_BYTES,
-    "device_budget": None,
-    "host_budget": None,
-    "spill_dir": None,
-    "target": None,
-    "probe": None,
-}
-
-
-def resolve(owner: str, given: Mapping[str, Any]) -> PagingOptions:
-    """The options of ``given`` with the missing ones at their defaults (values unchecked).
-
-    Args:
-        owner: the optimizer's class name, for the messages.
-        given: the keywords the constructor received beyond its own arguments.
-
-    Raises:
-        TypeError: a keyword that is no paging option (Python's own message for an
-            unexpected keyword argument, plus the options there are).
-    """
-    unknown = [name for name in given if name not in DEFAULTS]
-    if unknown:
-        raise TypeError(
-            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}; its "
-            f"paging options are {', '.join(DEFAULTS)} (see tightfit.optim.optimizer_options.PagingOptions)"
-        )
-    return {**DEFAULTS, **given}  # type: ignore[return-value,typeddict-item]
+def check_target(target: object) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``target`` is a value ``--target`` takes."""
+    if target is None or target == "auto":
+        return
+    if isinstance(target, bool) or not isinstance(target, int | float):
+        raise TypeError(f"target must be 'auto', a fraction (0.9), bytes (6GiB) or none, got "
+                        f"{target!r}.")
+    if isinstance(target, float) and not 0.0 < target <= 1.0:
+        raise ValueError(f"a fractional target must be in (0, 1], got {target}; pass bytes as "
+                         "an integer (e.g. 6GiB) or a fraction such as 0.9.")
+    if isinstance(target, int) and target <= 0:
+        raise ValueError(f"a target in bytes must be positive, got {target}; e.g. 6GiB.")

@@ -40,18 +40,18 @@ from typing import IO, Any
 
 import torch
 
+from tightfit.integrity.checksums import ALGORITHM, CorruptStateError, checksum
+from tightfit.integrity.interrupts import hold_interrupts
+from tightfit.integrity.temps import remove_stale_temps, temp_path
 from tightfit.optim.dtensor import local_tensor
-from tightfit.optim.state_io import (
+from tightfit.optim.torch_format import (
     PagedState,
     checked_step,
     has_state,
     replace_groups_and_steps,
 )
 from tightfit.paging.disk import describe
-from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
-from tightfit.integrity.checksums import ALGORITHM, CorruptStateError, checksum
-from tightfit.integrity.temps import remove_stale_temps, temp_path
 
 VERSION = 2
 _MAGIC_BASE = b"TIGHTFIT-PAGES\x00"

@@ -13,7 +13,10 @@ torch. 32-bit segments always take the fp32 math.
 
 State dicts: :meth:`state_dict` returns the codes and absmax themselves (uint8/fp32 tensors;
 a round trip is bit-exact); :meth:`torch_state_dict` returns torch's fp32 format
-(dequantized, e.g. ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes either.
+(dequantized, e.g. ``exp_avg``/``exp_avg_sq``); :meth:`load_state_dict` takes either, and
+checks everything first — groups, params, each tensor's shape and dtype against the layout the
+optimizer gives that param — before groups, steps and pages are written, so a bad state dict
+leaves the optimizer as it was.
 ``optimizer.state[p]`` shows bitsandbytes' names: ``state1``/``state2`` (codes shaped like
 the param, or fp32), ``absmax1``/``absmax2`` and, for 8-bit params, the maps ``qmap1``/``qmap2``.
 
@@ -27,23 +30,32 @@ a single process decide alike); the pages hold the rank's local shard in 256-ele
 the flattened shard, and the update runs on local views. Block scales of local shards cannot
 follow the param's placements, so with any DTensor param :meth:`state_dict` returns torch's
 fp32 format with each state tensor a DTensor laid out like its param (what DCP reshards).
+Loaded torch-format DTensor state (from ``set_optimizer_state_dict``, resharded by DCP) is
+checked against the param's placements and local shape and quantized into the pages; native
+codes and absmax describe blocks of one layout of the param and are never resharded, so they
+are taken only as plain tensors the size of the rank's shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar, Unpack
+from typing import Any, ClassVar
 
 import torch
 
-from tightfit.optim import checks, hyper, optimizer_options, quant8, state_io
-from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.dtensor import is_dtensor, like_param, local_tensor
-from tightfit.optim.optimizer_options import PagingOptions
+from tightfit.optim import hyper, quant8, torch_format
+from tightfit.optim.base import PagedOptimizer, check_keywords
+from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
+from tightfit.optim.element_order import PLAIN
+from tightfit.optim.param_groups import common_device, intake
 from tightfit.optim.param_state import ParamState
-from tightfit.optim.state8bit import check_and_load
-from tightfit.optim.views import Group, StateLists, Tensors
+from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
+
+# bitsandbytes >= 0.45 nests its codes/absmax under this key (to hide them from FSDP)
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+# the native arrays and bitsandbytes' maps (constants: never loaded, never kept as entries)
+_NATIVE = ("state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2")
 
 
 class Paged8bitOptimizer(PagedOptimizer):
@@ -60,9 +72,9 @@ class Paged8bitOptimizer(PagedOptimizer):
         min_8bit_size: params with fewer elements keep fp32 state (bitsandbytes: 4096).
         backend: ``"auto"`` (bitsandbytes' kernel where it has one, else torch),
             ``"bitsandbytes"`` or ``"torch"``.
-        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
-            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
+        **paging_kw: the paging and pressure keywords of
+            :class:`~tightfit.optim.base.PagedOptimizer` (``paging=PagingOptions(...)`` or
+            its fields, ``target``, ``probe``).
     """
 
     unit = quant8.BLOCKSIZE
@@ -76,20 +88,20 @@ class Paged8bitOptimizer(PagedOptimizer):
         *,
         min_8bit_size: int = quant8.MIN_8BIT_SIZE,
         backend: quant8.Backend = "auto",
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
-        optimizer_options.resolve(type(self).__name__, paging)  # an unknown keyword raises first
+        check_keywords(type(self).__name__, paging_kw)  # an unknown keyword raises first
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int):
             raise TypeError(f"min_8bit_size={min_8bit_size!r} must be an int (e.g. 4096)")
         if min_8bit_size < 0:
             raise ValueError(f"min_8bit_size={min_8bit_size} is negative; pass e.g. 4096")
         self._check_group(defaults)  # before the backend is resolved (the base checks again)
-        params = checks.intake(params)
-        self._backend = quant8.resolve_backend(backend, checks.common_device(params))
+        params = intake(params)
+        self._backend = quant8.resolve_backend(backend, common_device(params))
         self._min_8bit_size = min_8bit_size
-        super().__init__(params, defaults, **paging)
+        super().__init__(params, defaults, **paging_kw)
         if self._backend == "torch":  # its fp32 temporaries stay about one page in size
-            self._view_limit = max(self._page_bytes // 2, quant8.BLOCKSIZE)
+            self._view_limit = max(self._paging.page_bytes // 2, quant8.BLOCKSIZE)
 
     @property
     def _maps(self) -> list[torch.Tensor]:
@@ -168,7 +180,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         if self._backend == "torch":
             # Dequantized fp32 copies exist for at most about one page of elements at a time,
             # so the torch path never holds the whole resident state in fp32.
-            limit = max(self._page_bytes // 2, quant8.BLOCKSIZE)
+            limit = max(self._paging.page_bytes // 2, quant8.BLOCKSIZE)
             chunk: list[int] = []
             size = 0
             for k, p in enumerate(params):
@@ -232,19 +244,19 @@ class Paged8bitOptimizer(PagedOptimizer):
     # ------------------------------------------------------------------ state dicts
     def _gather(self, dequantized: bool) -> dict[int, dict[str, torch.Tensor]]:
         """Per param index: its state arrays, native (codes/absmax) or dequantized fp32."""
-        index = {id(p): i for i, p in state_io.indexed_params(self).items()}
+        index = {id(p): i for i, p in torch_format.indexed_params(self).items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
         n = self._n_states()
         cpu_maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]  # pages are read to CPU
         for page in self._store.pages:
             group = self.param_groups[page.group]
-            live = [s for s in page.segments if state_io.has_state(self, group["params"][s.param])]
+            live = [s for s in page.segments if torch_format.has_state(self, group["params"][s.param])]
             if not live:
                 continue  # torch keeps no state for a param that never had a gradient
             views = page.segment_views(self._store.read_page(page))
             for k, seg in enumerate(page.segments):
                 p = group["params"][seg.param]
-                if not state_io.has_state(self, p):
+                if not torch_format.has_state(self, p):
                     continue
                 numel = local_tensor(p).numel()  # the pages hold this rank's shard
                 slot = out.setdefault(index[id(p)], {})
@@ -274,8 +286,8 @@ class Paged8bitOptimizer(PagedOptimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _state_dict_as(self, dequantized: bool) -> dict[str, Any]:
-        sd = state_io.pack(self)  # param_groups + the plain entries (step, ...), no hooks
-        params = state_io.indexed_params(self)
+        sd = torch_format.pack(self)  # param_groups + the plain entries (step, ...), no hooks
+        params = torch_format.indexed_params(self)
         for i, arrays in self._gather(dequantized).items():
             entry = sd["state"][i]
             entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
@@ -319,4 +331,130 @@ class Paged8bitOptimizer(PagedOptimizer):
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Load a native (:meth:`state_dict`) or torch-format (:meth:`torch_state_dict`, or a
         torch optimizer's) state dict; everything is checked before anything changes."""
-        check_and_load(self, state_dict)
+        _check_and_load(self, state_dict)
+
+
+# ---------------------------------------------------------------------------- loading
+def _merged_groups(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> list[dict[str, Any]]:
+    saved_groups = torch_format.check_saved_groups(
+        opt, state_dict, "optimizer.state_dict() or torch_state_dict()"
+    )
+    merged_groups = []
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        torch_format.check_group_params(gi, group, saved)
+        keep = {*group, "param_names"}  # a saved group's names are kept, as torch keeps them
+        merged = {k: v for k, v in saved.items() if k in keep and k != "params"}
+        merged = {**group, **merged, "params": group["params"]}
+        if isinstance(merged.get("betas"), list):
+            merged["betas"] = tuple(merged["betas"])
+        opt._validate_group(merged)
+        merged_groups.append(merged)
+    return merged_groups
+
+
+def _check_entry(opt: Paged8bitOptimizer, key: Any, p: torch.Tensor, entry: Any) -> str:
+    """The entry's format (``"native"`` or ``"torch"``), or ValueError naming what is wrong."""
+    if not isinstance(entry, dict) or "step" not in entry:
+        raise ValueError(f"state of param {key} lacks 'step'; pass a full optimizer state dict")
+    if isinstance(entry.get(_BNB_WRAPPED), dict):  # a bitsandbytes 8-bit optimizer's state dict
+        entry.update(entry.pop(_BNB_WRAPPED))
+    n = len(opt.torch_names)
+    eight = quant8.is_8bit(p.numel(), opt.min_8bit_size)  # global size, as the layout decides
+    numel = local_tensor(p).numel()  # what the pages hold (the whole param unless a DTensor)
+    if "state1" in entry:
+        fmt, names = "native", [f"state{i}" for i in range(1, n + 1)]
+    elif all(t in entry for t in opt.torch_names):
+        fmt, names = "torch", list(opt.torch_names)
+    else:
+        raise ValueError(
+            f"state of param {key} has keys {sorted(entry)}; expected {type(opt).__name__}'s "
+            f"native keys (state1, absmax1, ...) or torch's {list(opt.torch_names)}"
+        )
+    want = torch.uint8 if (fmt == "native" and eight) else None
+    if fmt == "native" and any(is_dtensor(v) for v in entry.values()):
+        raise ValueError(
+            f"state of param {key} holds DTensor 8-bit codes/absmax, which cannot be resharded; "
+            f"load the torch format ({type(opt).__name__}.state_dict() under FSDP2 writes it)"
+        )
+    for name in names:
+        t = entry.get(name)
+        if fmt == "torch" and is_dtensor(t):
+            # DCP resharded it to this rank: the local shard (placements and shape checked)
+            t = entry[name] = local_state(t, p)
+        if not isinstance(t, torch.Tensor) or t.numel() != numel:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"state {name!r} of param {key} has shape {shape} but the param has shape "
+                f"{tuple(local_tensor(p).shape)}; the state dict is for another parameter layout"
+            )
+        torch_format.check_state_tensor(key, name, t, p, PLAIN)  # read flat, in row-major order
+        if fmt == "native" and (t.dtype == torch.uint8) != (want == torch.uint8):
+            raise ValueError(
+                f"state {name!r} of param {key} is {t.dtype} but this optimizer keeps "
+                f"{'8-bit' if eight else 'fp32'} state for it; build the optimizer with the "
+                "saved min_8bit_size"
+            )
+    if fmt == "native" and eight:
+        for i in range(1, n + 1):
+            a = entry.get(f"absmax{i}")
+            if not isinstance(a, torch.Tensor) or a.numel() != quant8.blocks(numel):
+                raise ValueError(
+                    f"state of param {key} needs absmax{i} with {quant8.blocks(numel)} "
+                    "values (one per 256 elements); the state dict is for another layout"
+                )
+            torch_format.check_state_tensor(key, f"absmax{i}", a, p, PLAIN)
+    return fmt
+
+
+def _check_and_load(opt: Paged8bitOptimizer, state_dict: dict[str, Any]) -> None:
+    """Validate ``state_dict`` against ``opt`` completely, then load it into the pages."""
+    new_groups = _merged_groups(opt, state_dict)
+    id_to_param: dict[Any, torch.Tensor] = {}
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        id_to_param.update(zip(saved["params"], group["params"]))
+    loaded: dict[int, tuple[str, dict[str, Any]]] = {}
+    others = torch_format.other_keys(state_dict, id_to_param)
+    steps = {}
+    for key, entry in state_dict["state"].items():
+        if key in others:
+            continue
+        entry = dict(entry) if isinstance(entry, dict) else entry  # never change the caller's
+        p = id_to_param[key]
+        fmt = _check_entry(opt, key, p, entry)
+        loaded[id(p)] = (fmt, entry)
+        consumed = [*_NATIVE, *opt.torch_names, *opt._access.names(p)]
+        step = torch_format.checked_step(key, entry["step"])
+        steps[id(p)] = (step, torch_format.plain_entries(entry, consumed))
+    # Everything checked: now change things.
+    torch_format.replace_groups_and_steps(opt, new_groups, steps, others)
+    store = opt.pager
+    n = len(opt.torch_names)
+    maps = [quant8.dynamic_map(True), quant8.dynamic_map(False)]
+    for page in store.pages:
+        group = opt.param_groups[page.group]
+        buf = torch.zeros(page.nbytes, dtype=torch.uint8)
+        views = page.segment_views(buf)
+        eight = "absmax1" in views
+        for k, seg in enumerate(page.segments):
+            item = loaded.get(id(group["params"][seg.param]))
+            if item is None:
+                continue
+            fmt, entry = item
+            lo, hi = seg.start, seg.start + seg.length
+            b0 = lo // opt.unit
+            for i in range(1, n + 1):
+                codes = views[f"state{i}"][k]
+                if fmt == "native":
+                    codes.copy_(entry[f"state{i}"].detach().reshape(-1)[lo:hi].cpu())
+                    if eight:
+                        am = views[f"absmax{i}"][k]
+                        am.copy_(entry[f"absmax{i}"].detach().reshape(-1)[b0 : b0 + am.numel()])
+                    continue
+                values = entry[opt.torch_names[i - 1]].detach().reshape(-1)[lo:hi]
+                values = values.to("cpu", torch.float32)
+                if eight:
+                    quant8.quantize_torch(values, maps[i - 1], codes, views[f"absmax{i}"][k])
+                else:
+                    codes.copy_(values)
+        store.write_page(page, buf)
+    opt._clear_pending_step()

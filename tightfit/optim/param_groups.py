@@ -1,11 +1,14 @@
-"""Param groups of a paged optimizer: adding one lays out its state pages, and
-``param_groups`` edited directly (torch code appends to it) is followed or refused.
+"""Params and param groups of a paged optimizer: what the constructor and ``add_param_group``
+take, and how a group's state is cut into pages.
 
-A mixin of :class:`~tightfit.optim.base.PagedOptimizer`: :meth:`GroupLayout.add_param_group`
-validates a group (torch's rules and words first, then the optimizer's), takes
-``(name, param)`` pairs as torch does (``param_names``), and cuts the group's state into
-pages, one run per state layout; :meth:`GroupLayout._check_groups` adopts groups appended to
-``param_groups`` behind the optimizer's back.
+The checks (:func:`intake`, :func:`group_params`, :func:`common_device`,
+:func:`check_group_params`) raise before anything changes (no page, no param group), where
+torch refuses the same input with torch's exception type and words, then the fix.
+:class:`GroupLayout`, a mixin of :class:`~tightfit.optim.base.PagedOptimizer`:
+:meth:`GroupLayout.add_param_group` validates a group (torch's rules and words first, then
+the optimizer's), takes ``(name, param)`` pairs as torch does (``param_names``), and cuts the
+group's state into pages, one run per state layout; :meth:`GroupLayout._check_groups` adopts
+groups appended to ``param_groups`` behind the optimizer's back.
 """
 
 from __future__ import annotations
@@ -14,13 +17,90 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.optim import checks
-from tightfit.optim.flat import order_of, real_numel
+from tightfit.optim.dtensor import check_param
+from tightfit.optim.element_order import order_of, real_numel
 from tightfit.optim.param_state import StateAccess
 from tightfit.paging.layout import Page, StateSpec, build_pages
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
 
 _WIDE = (torch.float64, torch.complex128)  # torch keeps their state in float64
+
+
+def intake(params: Any) -> list[Any]:
+    """``params`` as a list, refused as torch refuses it: a bare tensor (``TypeError``, torch's
+    words) or nothing at all (``ValueError``)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}; pass [tensor] or model.parameters()"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
+    return params
+
+
+def group_params(params: Any) -> tuple[list[Any], list[str] | None]:
+    """A group's params as a list, and their names when given as ``(name, param)`` pairs
+    (``named_parameters()``), as torch's ``add_param_group`` takes them."""
+    if isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the "
+            "ordering of tensors in sets will change between runs; pass a list instead"
+        )
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    named = [isinstance(p, tuple) for p in items]
+    if not any(named):
+        return items, None
+    if not all(named):
+        raise ValueError(
+            "all optimizer params should be with/without names. Some param names are "
+            "missing; pass model.named_parameters() or model.parameters(), not a mix"
+        )
+    return [p[1] for p in items], [p[0] for p in items]
+
+
+def common_device(params: list[Any]) -> torch.device:
+    """The one device of ``params`` (tensors, ``(name, tensor)`` pairs or group dicts)."""
+    devices = []
+    for item in params:
+        ps = item["params"] if isinstance(item, dict) else [item]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        ps = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in ps]
+        devices += [p.device for p in ps if isinstance(p, torch.Tensor)]
+    if not devices:
+        raise ValueError("optimizer got an empty parameter list; pass the model's parameters")
+    found = sorted({str(d) for d in devices})
+    if len(found) > 1:
+        raise ValueError(
+            f"params are on different devices ({', '.join(found)}); a paged optimizer pages "
+            "state for one device: move the params to one device or make one optimizer each"
+        )
+    return devices[0]
+
+
+def check_group_params(params: list[Any], device: torch.device) -> None:
+    """Every param a dense floating-point (or complex) tensor on ``device`` (FSDP2 shards
+    allowed; any strides: :mod:`tightfit.optim.element_order` decides their element order)."""
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"optimizer can only optimize Tensors, but one of the params is "
+                f"{type(p).__name__}; pass the model's parameters"
+            )
+        if p.device != device:
+            raise ValueError(
+                f"param on {p.device} but this optimizer pages state for "
+                f"{device}; move it or make another optimizer for it"
+            )
+        check_param(p)  # FSDP2/DTensor params: the pages hold this rank's local shard
+        if not (p.is_floating_point() or p.is_complex()):
+            raise TypeError(f"param of dtype {p.dtype} cannot be optimized; use float params")
+        if p.layout != torch.strided:
+            raise TypeError(
+                f"param with layout {p.layout} cannot be paged; pass dense (strided) params"
+            )
 
 
 class GroupLayout:
@@ -31,7 +111,7 @@ class GroupLayout:
     defaults: dict[str, Any]
     _store: PageStore
     _access: StateAccess
-    _page_bytes: int
+    _paging: PagingOptions
     _group_pages: list[list[Page]]
     _group_params: list[list[torch.Tensor]]
     _maybe_staged: set[int]
@@ -53,13 +133,13 @@ class GroupLayout:
         if not isinstance(param_group, dict):
             raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
         group = dict(param_group)
-        params, names = checks.group_params(group["params"])
+        params, names = group_params(group["params"])
         group["params"] = params
         if names is not None:
             group["param_names"] = names
         self._follow_device(None)
         merged = {**self.defaults, **group}
-        checks.check_group_params(params, self._store.device)
+        check_group_params(params, self._store.device)
         for p in params:
             self._check_param(p)
         self._check_group(merged)
@@ -80,7 +160,7 @@ class GroupLayout:
             numels = [real_numel(p) if k == layout else 0 for p, k in zip(pg["params"], layouts)]
             pages += build_pages(
                 g, numels, [p.dtype for p in pg["params"]], list(layout), self.unit,
-                self._page_bytes, first_index=len(self._store.pages) + len(pages),
+                self._paging.page_bytes, first_index=len(self._store.pages) + len(pages),
             )  # fmt: skip
         self._group_pages.append(pages)
         self._group_params.append(pg["params"])
@@ -120,7 +200,7 @@ class GroupLayout:
             return
         known = {id(p) for g in groups[:n] for p in g["params"]}
         extra = groups[n:]
-        if any(id(p) in known for g in extra for p in checks.group_params(g["params"])[0]):
+        if any(id(p) in known for g in extra for p in group_params(g["params"])[0]):
             if for_step:
                 raise ValueError(
                     f"param_groups[{n}:] list params of earlier groups (was param_groups "

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from tightfit.optim.dtensor import like_param, local_tensor
-from tightfit.optim.flat import PLAIN, ElementOrder, real_numel
+from tightfit.optim.element_order import PLAIN, ElementOrder, real_numel
 from tightfit.paging.layout import Page
 from tightfit.paging.store import PageStore
 

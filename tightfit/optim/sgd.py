@@ -11,16 +11,15 @@ to torch as ``None`` buffers, as torch does it, and copied into their pages.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Unpack
+from typing import Any
 
 import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
-from tightfit.optim import hyper, views
+from tightfit.optim import hyper, update_lists
 from tightfit.optim.base import PagedOptimizer
-from tightfit.optim.flat import PLAIN
-from tightfit.optim.optimizer_options import PagingOptions
-from tightfit.optim.views import Group, StateLists, Tensors
+from tightfit.optim.element_order import PLAIN
+from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
 
@@ -43,9 +42,10 @@ class PagedSGD(PagedOptimizer):
             ``False``: foreach.
         capturable: must be ``False`` (torch's SGD has no such flag; accepted, as by every
             paged optimizer, so that one set of keywords works for all).
-        **paging: the paging and pressure options (``page_bytes``, ``device_budget``,
-            ``host_budget``, ``spill_dir``, ``target``, ``probe``), documented in
-            :class:`~tightfit.optim.optimizer_options.PagingOptions`.
+        **paging_kw: the paging and pressure keywords of
+            :class:`~tightfit.optim.base.PagedOptimizer`: ``paging=PagingOptions(...)`` or its
+            fields (``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``), and
+            ``target``, ``probe``.
 
     ``state_dict()`` is torch's SGD format (``momentum_buffer`` per param, plus ``step``);
     a ``torch.optim.SGD`` state dict loads too.
@@ -65,7 +65,7 @@ class PagedSGD(PagedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         capturable: bool = False,
-        **paging: Unpack[PagingOptions],
+        **paging_kw: Any,
     ) -> None:
         hyper.check_graph_flags({"capturable": capturable}, "torch.optim.SGD")
         defaults = {
@@ -80,7 +80,7 @@ class PagedSGD(PagedOptimizer):
             "differentiable": differentiable,
             "fused": fused,
         }
-        super().__init__(params, defaults, **paging)
+        super().__init__(params, defaults, **paging_kw)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         momentum = group["momentum"]
@@ -171,7 +171,7 @@ class PagedSGD(PagedOptimizer):
             flats.append(flat)
             grads.append(order.flat(p.grad))
         self._sgd(group, flats, grads, [None] * len(flats))
-        views.unstage(params, staged, orders)
+        update_lists.unstage(params, staged, orders)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-format SGD state dict (``torch.optim.SGD``'s or ours); paging is kept.

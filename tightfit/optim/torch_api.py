@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tightfit.optim import state_file, state_io
+from tightfit.optim import page_file, torch_format
 from tightfit.optim.dtensor import local_tensor
 from tightfit.optim.param_state import StateAccess
 
@@ -54,12 +54,12 @@ class TorchAPI:
     # ------------------------------------------------------------------ subclass hooks
     def _state_dict(self) -> dict[str, Any]:
         """The state dict itself, without hooks (default: torch's format from the pages)."""
-        return state_io.to_torch(self)  # type: ignore[arg-type]
+        return torch_format.to_torch(self)  # type: ignore[arg-type]
 
     def _load(self, state_dict: dict[str, Any]) -> None:
         """Validate ``state_dict`` completely, then load it (no hooks; default: torch's
         format into the pages)."""
-        state_io.from_torch(self, state_dict)  # type: ignore[arg-type]
+        torch_format.from_torch(self, state_dict)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
@@ -119,7 +119,7 @@ class TorchAPI:
         self._check_groups(for_step=True)
         self._adopt_plain_states()
         self._access.flush()
-        state_file.save(self, path)  # type: ignore[arg-type]
+        page_file.save(self, path)  # type: ignore[arg-type]
 
     def load(self, path: str | os.PathLike) -> None:
         """Read a file written by :meth:`save` for the same params, page by page.
@@ -127,13 +127,13 @@ class TorchAPI:
         The file is refused whole (``ValueError`` for another layout or hyperparameters the
         constructor refuses, :class:`~tightfit.integrity.checksums.CorruptStateError` for bytes
         that do not match their checksums) before anything changes; see
-        :mod:`tightfit.optim.state_file`.
+        :mod:`tightfit.optim.page_file`.
         """
         self._check_open()
         self._check_groups(for_step=True)
         self._follow_device("load()")
         self._view_cache.clear()  # the step tensors are replaced
-        state_file.load(self, path)  # type: ignore[arg-type]
+        page_file.load(self, path)  # type: ignore[arg-type]
         self._access.refresh()
 
     # ------------------------------------------------------------------ copy and pickle
@@ -165,7 +165,7 @@ def _versions(
     opt: TorchAPI, sd: dict[str, Any]
 ) -> list[tuple[torch.Tensor, str, torch.Tensor, int]]:
     """``(param, name, tensor, version)`` of every paged tensor of state dict ``sd``."""
-    params = state_io.indexed_params(opt)  # type: ignore[arg-type]
+    params = torch_format.indexed_params(opt)  # type: ignore[arg-type]
     out = []
     for key, entry in sd["state"].items():
         p = params.get(key) if isinstance(key, int) else None

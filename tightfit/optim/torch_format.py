@@ -2,7 +2,7 @@
 
 Torch format (``{"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}``) is what
 ``torch.optim.AdamW`` reads and writes, so a run can move between the two either way. Page
-files (states too big for RAM) are :mod:`tightfit.optim.state_file`'s.
+files (states too big for RAM) are :mod:`tightfit.optim.page_file`'s.
 
 Every load converts and checks everything first — groups against the constructor's checks,
 each param's state against its layout, each step count — and only then changes the
@@ -17,14 +17,14 @@ from typing import Any, Protocol
 import torch
 
 from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
-from tightfit.optim.flat import ElementOrder, real_numel
+from tightfit.optim.element_order import ElementOrder, real_numel
 from tightfit.optim.param_state import ParamState, StateAccess
 from tightfit.paging.layout import StateSpec
 from tightfit.paging.store import PageStore
 
 
 class PagedState(Protocol):
-    """What this module needs of a paged optimizer (``tightfit.optim.base.PagedState``,
+    """What this module needs of a paged optimizer (``tightfit.optim.base.PagedOptimizer``,
     which is also a ``torch.optim.Optimizer``): torch's groups and state, the page store, and
     the friend API documented there. Typed here so that this module never imports the
     optimizer's (which imports this one)."""

@@ -13,7 +13,7 @@ from a window slot's) and which params have a gradient. The store empties it whe
 move or it closes (:meth:`PageStore.on_move`: it never keeps evicted memory alive), the
 optimizer when its state is replaced. A param whose storage changed (``p.data = ...``) is
 caught by comparing data pointers. Params whose memory is not in page order (see
-:mod:`tightfit.optim.flat`) are updated through staging copies made for the one update, so a
+:mod:`tightfit.optim.element_order`) are updated through staging copies made for the one update, so a
 bucket holding one is never cached.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tightfit.optim.dtensor import is_dtensor, local_flat
-from tightfit.optim.flat import PLAIN, ElementOrder
+from tightfit.optim.element_order import PLAIN, ElementOrder
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import Page
 
@@ -54,7 +54,7 @@ def bucket_lists(
         bucket: ``(page, arrays)`` pairs of one group, param dtype and layout.
         limit: longest joined run in elements (``None``: no limit).
         cache: the optimizer's view cache.
-        orders: each param's element order by ``id`` (:mod:`tightfit.optim.flat`; missing:
+        orders: each param's element order by ``id`` (:mod:`tightfit.optim.element_order`; missing:
             row-major, real).
         staged: flat staging copies (page order) by ``id`` of the params whose memory is not
             in page order; their views are taken from these (and never cached).

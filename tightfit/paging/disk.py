@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import torch
 
-from tightfit.paging.layout import Page
 from tightfit.integrity.checksums import (
     PAGE_ALGORITHM,
     CorruptStateError,
@@ -33,6 +32,7 @@ from tightfit.integrity.checksums import (
     page_checksum,
     zeros_checksum,
 )
+from tightfit.paging.layout import Page
 from tightfit.tiers.spill import SpillArea
 
 _NAMED = 3  # params a page's description names one by one

@@ -9,19 +9,22 @@ small window moves the minimum: 2 × the non-resident bytes per step.
 from __future__ import annotations
 
 from tightfit.paging.layout import Page
+from tightfit.paging.paging_options import PagingOptions
 
 WINDOW_SLOTS = 2  # current page + one being prefetched
 
 
 def plan_tiers(
-    pages: list[Page], limit: int | None, host_budget: int | None, on_cpu: bool
+    pages: list[Page], limit: int | None, options: PagingOptions, on_cpu: bool
 ) -> tuple[list[str], int]:
     """Target tier of every page and the number of window slots.
 
     Args:
         pages: every page, in sweep order.
-        limit: bytes of state allowed on the device, window included (``None``: no limit).
-        host_budget: bytes allowed in the host tier (``None``: no limit); unused on the CPU.
+        limit: bytes of state allowed on the device, window included (``None``: no limit);
+            ``options.device_budget`` or less, as pressure lowers it.
+        options: the store's options; their ``host_budget`` bounds the host tier (``None``:
+            no limit; unused on the CPU).
         on_cpu: device and host are one tier, so the next tier is disk.
 
     Returns:
@@ -34,7 +37,7 @@ def plan_tiers(
     biggest = max(p.nbytes for p in pages)
     slots = max(1, min(WINDOW_SLOTS, limit // biggest))
     room = limit - slots * biggest
-    host_room = host_budget
+    host_room = options.host_budget
     tiers = []
     for page in pages:
         if page.nbytes <= room:

@@ -11,17 +11,17 @@ disk get room reserved before they are placed, and a checksum (:mod:`tightfit.pa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.measure import tracker
 from tightfit.paging import disk
 from tightfit.paging.events import EventLog, PagingCounters
-from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
+from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.residency import plan_tiers
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
 from tightfit.tiers.copy import CopyEngine, CudaCopyEngine, Home
@@ -33,11 +33,9 @@ class PageStore:
 
     Args:
         device: the params' device; state pages are updated there.
-        page_bytes: nominal page size (every page holds at most this many bytes).
-        device_budget: bytes of state allowed on ``device`` (``None``: no limit).
-        host_budget: bytes of state allowed in host RAM when ``device`` is an accelerator
-            (``None``: no limit). Ignored on the CPU, where device and host are one tier.
-        spill_dir: parent folder of the spill files (``None``: the system temp folder).
+        options: the page size, the budgets and the spill folder (:class:`PagingOptions`,
+            checked when it was made). ``host_budget`` is ignored on the CPU, where device
+            and host are one tier.
         slabs: keep device-tier pages in slabs (one array per state name per run of pages,
             see :mod:`tightfit.paging.slab`) instead of one buffer per page. ``None``: on the
             CPU where the platform can release part of a mapping (Linux), else not.
@@ -52,10 +50,8 @@ class PageStore:
     def __init__(
         self,
         device: torch.device,
-        page_bytes: int,
-        device_budget: int | None,
-        host_budget: int | None,
-        spill_dir: str | os.PathLike | None,
+        options: PagingOptions,
+        *,
         slabs: bool | None = None,
         engine: CopyEngine | None = None,
         emulate_accelerator: bool = False,
@@ -66,12 +62,13 @@ class PageStore:
             where = f"{device} (as an accelerator)" if self._emulated else str(device)
             raise ValueError(f"slabs=True needs params on the CPU of a platform with madvise "
                              f"(Linux); the params are on {where}: pass slabs=None")
-        self.page_bytes = page_bytes
-        self.device_budget = device_budget
-        self.host_budget = None if self.on_cpu else host_budget
-        self.device_limit = device_budget  # lowered by pressure (see limit_device)
+        self.options = options
+        self.page_bytes = options.page_bytes
+        self.device_budget = options.device_budget
+        self.host_budget = None if self.on_cpu else options.host_budget
+        self.device_limit = options.device_budget  # lowered by pressure (see limit_device)
         self.pages: list[Page] = []
-        self.spill = SpillArea(spill_dir)  # removes spill folders of processes that are gone
+        self.spill = SpillArea(options.spill_dir)  # removes spill folders of processes that are gone
         self.events = EventLog()
         for gone in self.spill.cleaned:
             self.events.record("cleanup", f"removed the spill folder {gone.path} of process "
@@ -144,7 +141,7 @@ class PageStore:
     # ------------------------------------------------------------------ planning
     def plan(self) -> tuple[list[str], int]:
         """Target tier of every page and the number of window slots, under the current limits."""
-        return plan_tiers(self.pages, self.device_limit, self.host_budget, self.on_cpu)
+        return plan_tiers(self.pages, self.device_limit, self.options, self.on_cpu)
 
     def materialize(self) -> None:
         """Allocate every page (zeros) in its planned tier."""

@@ -23,7 +23,7 @@ from typing import Literal
 
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
-from tightfit.optim.base import DEFAULT_PAGE_BYTES
+from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row

@@ -15,7 +15,7 @@ from tightfit.measure.dtypes import DTYPE_BYTES, DtypeName, dtype_name
 from tightfit.planner.shapes import KNOWN_WEIGHTS, LLAMA_LINEARS
 
 if TYPE_CHECKING:
-    from tightfit.optim.registry import OptimizerKind
+    from tightfit.optim.optimizer_options import OptimizerKind
 
 QuantName = Literal["none", "int8", "nf4"]
 # Where saved activations wait for backward: on the device ("none"), checkpointed segments'

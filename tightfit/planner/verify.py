@@ -188,7 +188,7 @@ def _optimizer(model: nn.Module, setup: TrainSetup) -> torch.optim.Optimizer:
     """tightfit's optimizer for the setup, built by the registry as ``tightfit train`` does."""
     from tightfit.optim.registry import optimizer_for
 
-    return optimizer_for(model, setup.optimizer, lr=1e-4,
+    return optimizer_for(model, kind=setup.optimizer, lr=1e-4,
                          device_budget=setup.optimizer_device_budget)
 
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tightfit.paging.store import PageStore
 from tightfit.pressure import probes
 from tightfit.pressure.cgroup import limiting_cgroup
 from tightfit.pressure.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
-from tightfit.paging.store import PageStore
 from tightfit.pressure.target import resolve_target
 from tightfit.pressure.watch import PressureWatch
 
@@ -94,8 +94,8 @@ class OccupancyControl:
     ) -> None:
         if probe is not None and not isinstance(probe, Probe):
             raise TypeError(
-                f"probe must be a tightfit.pressure.probes.Probe (CudaProbe, RSSProbe, FakeProbe), "
-                f"got {type(probe).__name__}."
+                "probe must be a tightfit.pressure.probes.Probe (CudaProbe, CgroupProbe, "
+                f"RSSProbe), got {type(probe).__name__}."
             )
         if restore_margin_bytes is not None and restore_margin_bytes < 0:
             raise ValueError(f"restore_margin_bytes must be >= 0, got {restore_margin_bytes}.")

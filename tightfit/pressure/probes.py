@@ -10,8 +10,6 @@ usage, including memory it does not own (activations, gradients, other libraries
   less its page cache, against that limit (the CPU's default there).
 - :class:`RSSProbe` — the CPU, as this process's resident set size (psutil). Its capacity is
   what the user says, else the memory cgroup's limit when the process runs under one.
-- :class:`FakeProbe` — a test's device: a fake capacity and a usage made of callables
-  (e.g. "live activation bytes + resident optimizer bytes"), deterministic on any machine.
 
 Every probe remembers the highest usage it has reported (``peak_bytes``) and how many
 readings it took (``reads``), so a test can assert "never above the target" and a benchmark
@@ -24,7 +22,6 @@ import os
 import sys
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -32,7 +29,7 @@ import torch
 from tightfit.pressure.cgroup import MemoryCgroup, limiting_cgroup, stat_value
 from tightfit.pressure.highwater import rss_high_water
 
-__all__ = ["CgroupProbe", "CudaProbe", "FakeProbe", "Probe", "RSSProbe", "cgroup_memory_limit"]
+__all__ = ["CgroupProbe", "CudaProbe", "Probe", "RSSProbe", "cgroup_memory_limit"]
 
 
 class Probe(ABC):
@@ -118,7 +115,7 @@ class CudaProbe(Probe):
         if not torch.cuda.is_available():
             raise ValueError(
                 "CudaProbe needs a CUDA device and none is available; on the CPU use "
-                "RSSProbe(capacity_bytes=...) or FakeProbe for tests."
+                "RSSProbe(capacity_bytes=...)."
             )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -309,67 +306,3 @@ def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
     fds.clear()
-
-
-class FakeProbe(Probe):
-    """A test's device: a fake capacity and a usage summed from callables.
-
-    Args:
-        capacity_bytes: The fake device's capacity.
-        sources: Callables returning bytes in use (e.g. ``lambda: tracker.current_bytes``);
-            their sum plus ``base_bytes`` is the usage. More can be added with :meth:`add_source`.
-        base_bytes: Constant usage (e.g. parameters and gradients).
-        strict: Raise ``torch.OutOfMemoryError`` from any reading above the capacity, the way
-            a real allocator fails; the reading is still recorded in :attr:`peak_bytes`.
-        record: Keep every reading in :attr:`history` (for tests that want the whole trace).
-
-    Raises:
-        ValueError: ``capacity_bytes`` is not positive or ``base_bytes`` is negative.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        sources: Iterable[Callable[[], int]] = (),
-        *,
-        base_bytes: int = 0,
-        strict: bool = False,
-        record: bool = False,
-    ) -> None:
-        super().__init__()
-        if int(capacity_bytes) <= 0:
-            raise ValueError(
-                f"FakeProbe capacity_bytes must be positive, got {capacity_bytes}; "
-                "pass the fake device's size in bytes."
-            )
-        if int(base_bytes) < 0:
-            raise ValueError(f"FakeProbe base_bytes must be >= 0, got {base_bytes}.")
-        self.device = torch.device("cpu")
-        self._capacity = int(capacity_bytes)
-        self.sources: list[Callable[[], int]] = list(sources)
-        self.base_bytes = int(base_bytes)
-        self.strict = strict
-        self.history: list[int] | None = [] if record else None
-
-    def add_source(self, source: Callable[[], int]) -> None:
-        """Add a callable whose bytes count towards the usage."""
-        if not callable(source):
-            raise TypeError(f"FakeProbe sources must be callables returning bytes, got {source!r}.")
-        self.sources.append(source)
-
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    def _used_bytes(self) -> int:
-        return self.base_bytes + sum(int(s()) for s in self.sources)
-
-    def used_bytes(self) -> int:
-        used = super().used_bytes()
-        if self.history is not None:
-            self.history.append(used)
-        if self.strict and used > self._capacity:
-            raise torch.OutOfMemoryError(
-                f"FakeProbe: {used} bytes in use exceed the fake capacity of "
-                f"{self._capacity} bytes"
-            )
-        return used

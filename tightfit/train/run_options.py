@@ -11,10 +11,10 @@ loss still falls from ln 256 ≈ 5.55 to about 4.7 in 120 steps).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
-from tightfit.optim.registry import OptimizerOptions
+from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
 LrSchedule = Literal["constant", "linear", "cosine"]
@@ -30,8 +30,8 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 _FIELD_NAMES = sorted({f for names in FORMAT_FIELDS.values() for f in names})
 
-# QLoRA's recipe, where it differs from the pieces' own defaults.
-RECIPE_LR = 2e-4
+# QLoRA's recipe, where it differs from the pieces' own defaults (its learning rate is
+# OptimizerOptions' own default: tightfit.optim.optimizer_options.RECIPE_LR).
 RECIPE_LORA = LoraOptions(r=16, alpha=16, dropout=0.05)
 
 # Options a resumed run may change: they do not change the trajectory (the loss, adapter and
@@ -227,10 +227,6 @@ class DataOptions:
         return mapping
 
 
-def _recipe_optimizer() -> OptimizerOptions:
-    return OptimizerOptions(lr=RECIPE_LR)
-
-
 def _recipe_lora() -> LoraOptions:
     return RECIPE_LORA
 
@@ -243,14 +239,15 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     prepare: PrepareOptions = field(default_factory=PrepareOptions)
     lora: LoraOptions = field(default_factory=_recipe_lora)
-    optimizer: OptimizerOptions = field(default_factory=_recipe_optimizer)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
 
     def flat(self) -> dict[str, Any]:
         """``{"group.option": value}`` as ``run_config.json`` holds it (tuples as lists)."""
         flat: dict[str, Any] = {}
         for group, value in asdict(self).items():
             for k, v in value.items():
-                flat[f"{group}.{k}"] = list(v) if isinstance(v, tuple) else v
+                if k in _GROUP_FIELDS[group]:  # the command line's options only
+                    flat[f"{group}.{k}"] = list(v) if isinstance(v, tuple) else v
         return flat
 
     def with_flat(self, changes: dict[str, Any]) -> RunConfig:
@@ -271,7 +268,13 @@ class RunConfig:
         return replace(self, **{g: replace(getattr(self, g), **kw) for g, kw in groups.items()})
 
 
+def cli_fields(options: type) -> list[Field[Any]]:
+    """The fields of an options dataclass that are flags of ``tightfit train`` (all but those
+    with ``metadata["cli"] = False``, which are for the Python API only)."""
+    return [f for f in fields(options) if f.metadata.get("cli", True)]
+
+
 _GROUP_FIELDS: dict[str, set[str]] = {
-    f.name: {sub.name for sub in fields(f.default_factory())}  # type: ignore[misc]
+    f.name: {sub.name for sub in cli_fields(f.default_factory)}  # type: ignore[arg-type]
     for f in fields(RunConfig)
 }

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tightfit.optim.registry import OptimizerOptions, optimizer_for, trainable_parameters
+from tightfit.optim.optimizer_options import OptimizerOptions
+from tightfit.optim.registry import optimizer_for, trainable_parameters
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
 from tightfit.train import model as builtin
 from tightfit.train import resume, validate
@@ -138,9 +139,7 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
     o = _optimizer_options(cfg, log)
     # the target (auto: where it can act) and a watch on the model's blocks: pages leave the
     # device before a long batch's activations pass the target, on every rank
-    optimizer = optimizer_for(model, o.kind, lr=o.lr, weight_decay=o.weight_decay,
-                              page_bytes=o.page_bytes, device_budget=o.device_budget,
-                              host_budget=o.host_budget, spill_dir=o.spill_dir, target=o.target)
+    optimizer = optimizer_for(model, o)
     for note in info.notes:
         log(f"note: {note}")
     if info.plan is not None:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from tightfit.measure.dtypes import SHORT_NAMES
 from tightfit.measure.sizes import parse_bytes
-from tightfit.train.run_options import RunConfig, flag_dest, flag_name
+from tightfit.train.run_options import RunConfig, cli_fields, flag_dest, flag_name
 
 _TITLES = {"train": "run", "data": "data", "prepare": "quantization, checkpointing, loss",
            "lora": "LoRA", "optimizer": "optimizer"}
@@ -99,7 +99,7 @@ def _option_keys() -> list[tuple[str, type, Any]]:
     for group in fields(RunConfig):
         options = getattr(defaults, group.name)
         out += [(f"{group.name}.{f.name}", type(options), getattr(options, f.name))
-                for f in fields(options)]
+                for f in cli_fields(type(options))]
     return out
 
 

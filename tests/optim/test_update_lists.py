@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tightfit.optim import views
+from tightfit.optim import update_lists
 from tightfit.optim.adamw import PagedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -18,13 +18,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _count_builds(monkeypatch) -> list[int]:
     calls: list[int] = []
-    build = views.coalesce
+    build = update_lists.coalesce
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(views, "coalesce", counted)
+    monkeypatch.setattr(update_lists, "coalesce", counted)
     return calls
 
 

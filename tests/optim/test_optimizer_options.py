@@ -1,21 +1,28 @@
-"""The paging options, defined once (``tightfit.optim.optimizer_options``) and taken by every paged
-optimizer after torch's own arguments: they reach the store, and a keyword no optimizer knows
-still raises ``TypeError`` before anything exists."""
+"""The paging options, defined once (``tightfit.paging.paging_options.PagingOptions``) and
+taken by every paged optimizer after torch's own arguments: as ``paging=`` or as its fields'
+keywords, they reach the store unchanged, and a keyword no optimizer knows still raises
+``TypeError`` before anything exists. ``OptimizerOptions`` (one object for ``optimizer_for``)
+makes its ``PagingOptions`` once."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
 import pytest
 import torch
+from torch import nn
 
-from tightfit.optim import optimizer_options
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
+from tightfit.optim.optimizer_options import KINDS, RECIPE_LR, OptimizerOptions
+from tightfit.optim.registry import _PAGED, optimizer_for
 from tightfit.optim.sgd import PagedSGD
-from tightfit.pressure.probes import FakeProbe
+from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES, PagingOptions
+
+from ..pressure.fakes import FakeProbe
 
 CLASSES = [PagedAdamW, PagedAdam, PagedAdamW8bit, PagedAdam8bit, PagedLion, PagedLion8bit,
            PagedSGD]  # fmt: skip
@@ -36,15 +43,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_the_options_and_their_defaults_are_one_list() -> None:
-    assert set(optimizer_options.PagingOptions.__optional_keys__) == set(optimizer_options.DEFAULTS)
-    assert optimizer_options.DEFAULTS["page_bytes"] == optimizer_options.DEFAULT_PAGE_BYTES == 8 << 20
+    assert [f.name for f in dataclasses.fields(PagingOptions)] == [
+        "page_bytes", "device_budget", "host_budget", "spill_dir"]  # fmt: skip
+    assert PagingOptions().page_bytes == DEFAULT_PAGE_BYTES == 8 << 20
+    assert OptimizerOptions().paging == PagingOptions()  # page_bytes None: the pager's default
+    assert [*_PAGED, "adamw"] == list(KINDS)
+
+
+def test_the_learning_rate_defaults() -> None:
+    # the recipe's lr is OptimizerOptions' (and so optimizer_for's and tightfit train's); the
+    # classes are drop-ins for torch's and keep torch's defaults
+    assert OptimizerOptions().lr == RECIPE_LR == 2e-4
+    assert inspect.signature(PagedAdamW).parameters["lr"].default == 1e-3  # torch.optim.AdamW
+    assert inspect.signature(PagedSGD).parameters["lr"].default == 1e-3  # torch.optim.SGD
+    assert inspect.signature(PagedLion).parameters["lr"].default == 1e-4  # bitsandbytes' Lion
+    model = nn.Linear(4, 4)
+    with optimizer_for(model, target=None) as opt:
+        assert opt.param_groups[0]["lr"] == RECIPE_LR
 
 
 @pytest.mark.parametrize("cls", list(TORCH_ARGS))
 def test_signatures_show_torchs_arguments_then_the_paging_options(cls) -> None:
     params = list(inspect.signature(cls).parameters.values())
     assert [p.name for p in params[:-1]] == TORCH_ARGS[cls]
-    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and params[-1].name == "paging"
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD and params[-1].name == "paging_kw"
     assert "PagingOptions" in cls.__doc__  # documented once, referenced here
 
 
@@ -78,3 +100,30 @@ def test_every_option_reaches_the_store(cls, tmp_path) -> None:
     assert stats["spill_dir"].startswith(str(tmp_path)) and stats["disk_bytes"] > 0
     assert stats["target_bytes"] == 1 << 29 and probe.reads > 0
     opt.close()
+
+
+@pytest.mark.parametrize("cls", [PagedAdamW, PagedAdamW8bit, PagedSGD])
+def test_one_paging_object_reaches_the_store_unchanged(cls, tmp_path) -> None:
+    paging = PagingOptions(16 << 10, 64 << 10, None, tmp_path)
+    opt = cls([torch.randn(100_000)], paging=paging)
+    assert opt.pager.options is paging
+    assert cls([torch.randn(10)], paging=paging, page_bytes=16 << 10).pager.options is paging
+    with pytest.raises(ValueError, match="paging=PagingOptions.*device_budget=None"):
+        cls([torch.randn(10)], paging=paging, device_budget=None)  # contradicts it
+    opt.close()
+
+
+def test_optimizer_for_takes_one_options_object_and_refuses_contradicting_keywords() -> None:
+    model = nn.Linear(8, 8)
+    options = OptimizerOptions(kind="paged_sgd", lr=0.1, target=None, extra={"momentum": 0.9})
+    with optimizer_for(model, options) as opt:
+        assert type(opt) is PagedSGD and opt.pager.options is options.paging
+        assert opt.param_groups[0]["momentum"] == 0.9
+    with optimizer_for(model, options, lr=0.1, nesterov=True) as opt:  # agrees, adds a keyword
+        assert opt.param_groups[0]["nesterov"]
+    with pytest.raises(ValueError, match=r"options.lr=0.1 and lr=0.01"):
+        optimizer_for(model, options, lr=0.01)
+    with pytest.raises(ValueError, match=r"options.extra\['momentum'\]=0.9 and momentum=0.5"):
+        optimizer_for(model, options, momentum=0.5)
+    with pytest.raises(TypeError, match="pass the kind as kind='paged_sgd'"):
+        optimizer_for(model, "paged_sgd")  # type: ignore[arg-type]

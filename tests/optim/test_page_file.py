@@ -16,13 +16,13 @@ import pytest
 import torch
 import xxhash
 
-from tightfit.optim import state_file
+from tightfit.integrity.checksums import CorruptStateError
+from tightfit.integrity.temps import temp_path
+from tightfit.optim import page_file
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
-from tightfit.integrity.checksums import CorruptStateError
-from tightfit.integrity.temps import temp_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -259,7 +259,7 @@ def test_an_interrupt_while_the_temp_is_created_leaves_no_temp(tmp_path, monkeyp
 
     # whichever call creates the temp (builtin open, or os.open as tempfile.mkstemp uses)
     monkeypatch.setattr(os, "open", create_then_interrupt(real_os_open))
-    monkeypatch.setattr(state_file, "open", create_then_interrupt(real_open), raising=False)
+    monkeypatch.setattr(page_file, "open", create_then_interrupt(real_open), raising=False)
     with pytest.raises(KeyboardInterrupt):
         opt.save(tmp_path / "opt.pages")
     monkeypatch.undo()

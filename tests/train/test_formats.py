@@ -145,7 +145,8 @@ def test_bad_records_are_named_by_file_and_line(tmp_path) -> None:
             r"line 2: the record has no assistant turn", chat_tok)
     refused([{"messages": [{"role": "robot", "content": "hi"}]}], r"line 1: .* a turn that is not",
             chat_tok)
-    refused([{"messages": CHAT}], r"has no chat template; pass --model with a chat model")
+    refused([{"messages": CHAT}], r"has no chat template; pass --model with a chat model's "
+            r"folder \(its chat_template.jinja, or chat_template in tokenizer_config.json\)")
     no_template = HFTokenizer(chat_model(tmp_path / "plain", WORDS, template=None))
     refused([{"messages": CHAT}], r"the tokenizer of .*plain' has no chat template", no_template)
     shards = tmp_path / "shards"
@@ -155,13 +156,48 @@ def test_bad_records_are_named_by_file_and_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"b.jsonl', line 2: the record has no 'completion'"):
         _load(shards)
     (tmp_path / "broken.jsonl").write_text('{"prompt": "x", "completion": "y"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"broken.jsonl' is not valid JSON / JSON Lines"):
+    with pytest.raises(ValueError, match=r"broken.jsonl' is not valid JSON / JSON Lines: line 2, "
+                                         r"column 12: Expecting value; fix the file.$"):
         _load(tmp_path / "broken.jsonl")
+    _bad_json_is_named_by_its_line(tmp_path)
     (tmp_path / "mixed").mkdir()
     write_jsonl(tmp_path / "mixed" / "a.jsonl", [good])
     (tmp_path / "mixed" / "b.txt").write_text("text")
     with pytest.raises(ValueError, match="mixes file types"):
         _load(tmp_path / "mixed")
+
+
+def _bad_json_is_named_by_its_line(tmp_path) -> None:
+    """Issue 28 item 6: the 1-based line of the file, not datasets' 0-based row of a block
+    (its row restarts every ~10 MB), no --format raw hint (it would train on the JSON
+    syntax), and datasets' own error lines not printed beside ours."""
+    import logging
+
+    good = json.dumps({"text": "x" * 1000})
+    for bad, line in ((249, 250), (24_999, 25_000)):  # 25 MB: datasets reads it in blocks
+        lines = [good] * (bad + 2)
+        lines[bad] = '{"text": "a",}'
+        path = tmp_path / f"bad-at-{bad}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r, seen=seen: seen.append(r.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("datasets").addHandler(handler)
+        try:
+            with pytest.raises(ValueError) as refused:
+                _load(path)
+        finally:
+            logging.getLogger("datasets").removeHandler(handler)
+        said = str(refused.value)
+        assert f"is not valid JSON / JSON Lines: line {line}, column 14: Expecting property " \
+               "name enclosed in double quotes; fix the file." in said, said
+        assert " row " not in said and "--format raw" not in said
+        assert not [m for m in seen if "Failed to load JSON" in m], seen
+    document = tmp_path / "array.json"  # one JSON document over several lines
+    document.write_text('[\n  {"text": "a"},\n  {"text": \n]\n')
+    with pytest.raises(ValueError, match=r"array.json' is not valid JSON / JSON Lines: line 4, "
+                                         r"column 1: Expecting value"):
+        _load(document)
 
 
 def test_instruction_tuning_end_to_end_and_refused_starts_write_nothing(tmp_path, capsys) -> None:

@@ -69,7 +69,9 @@ def export(run_dir: str | os.PathLike[str], *, out: str | os.PathLike[str] | Non
             dequantize.
     """
     folder = Path(run_dir)
-    cfg = RunConfig().with_flat(resume.read_config(folder))
+    saved = resume.read_config(folder, "pass tightfit export the --out folder of a "
+                               "tightfit train run (it holds run_config.json)")
+    cfg = RunConfig().with_flat(saved)
     adapter = _adapter_of(folder)
     final = Path(out) if out is not None else folder / "export"
     if final.exists():

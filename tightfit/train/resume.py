@@ -302,8 +302,11 @@ def write_config(out: Path, config: dict[str, Any]) -> None:
     _atomic_text(out / CONFIG, json.dumps(config, indent=2, sort_keys=True, default=str))
 
 
-def read_config(out: Path) -> dict[str, Any]:
+def read_config(out: Path, fix: str = "pass the --out folder of an earlier run to --resume"
+                ) -> dict[str, Any]:
     """The options a run folder was written with (``run_config.json``).
+
+    ``fix`` ends the message when ``out`` is no run folder (what the command takes instead).
 
     Raises:
         FileNotFoundError: ``out`` is no run folder.
@@ -311,9 +314,9 @@ def read_config(out: Path) -> dict[str, Any]:
     """
     path = out / CONFIG
     if not path.is_file():
+        what = "does not exist" if not out.exists() else f"has no {CONFIG}"
         raise FileNotFoundError(
-            f"{str(out)!r} has no {CONFIG}: it is not a tightfit train output folder; pass "
-            "the --out folder of an earlier run to --resume."
+            f"{str(out)!r} {what}: it is not a tightfit train output folder; {fix}."
         )
     try:
         saved = json.loads(path.read_text())

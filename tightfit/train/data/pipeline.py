@@ -122,8 +122,8 @@ def _read(path: str | None, opts: DataOptions, tok: Tokenizer, seq_len: int,
     if fmt == "chat" and not tok.has_chat_template():
         raise ValueError(f"{source.where} holds chat messages but {tok.name} has no chat "
                          "template; pass --model with a chat model's folder (its "
-                         "tokenizer_config.json has chat_template), or give the data as "
-                         "prompt/completion records.")
+                         "chat_template.jinja, or chat_template in tokenizer_config.json), "
+                         "or give the data as prompt/completion records.")
     recipe = Recipe(fmt, opts.field_map(), seq_len, opts.too_long, opts.completion_only)
     try:
         table = tokenize_records(ds, recipe, tok, cache)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import json
 import os
+import re
 import sysconfig
 import tempfile
 from collections.abc import Iterator
@@ -244,21 +246,84 @@ def load_records(source: Source, cache: DataCache) -> Any:
             ds = ds["train"]
         return ds
     try:
-        with quiet_datasets(False):  # its "Downloading data" bar: local files, no network
+        with quiet_datasets(False), _no_datasets_errors():  # ours say it, once
             return load_dataset(source.builder, data_files=[str(f) for f in source.files],
                                 split="train", cache_dir=str(cache.dir))
-    except DatasetGenerationError:
-        for f in source.files:  # the error path: find the file that fails, and why
+    except DatasetGenerationError as failed:
+        raise ValueError(_bad_file(source, cache, failed)) from None
+
+
+def _bad_file(source: Source, cache: DataCache, failed: Exception) -> str:
+    """The message for records datasets cannot read: the file, and its line when we find it."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    kind = _KIND[source.builder]
+    if source.builder == "json":
+        for f in source.files:
+            problem = _json_problem(f)
+            if problem is not None:
+                return f"data file {str(f)!r} is not valid {kind}: {problem}; fix the file."
+    for f in source.files if len(source.files) > 1 else ():  # which file fails, and why
+        try:
+            with quiet_datasets(False), _no_datasets_errors():
+                load_dataset(source.builder, data_files=[str(f)], split="train",
+                             cache_dir=str(cache.dir))
+        except DatasetGenerationError as exc:
+            failed = exc
+            break
+    else:
+        f = source.files[0]
+    # datasets' "in row N" counts from 0 within a block of the file: no line to go by
+    reason = re.sub(r"\s+in row \d+", "", str(failed.__cause__ or failed))
+    also = "; or pass --format raw to train on its lines as plain text" if kind == "CSV" else ""
+    return f"data file {str(f)!r} is not valid {kind} ({reason}); fix the file{also}."
+
+
+def _json_problem(path: Path) -> str | None:
+    """Where a JSON / JSON Lines file first fails to parse (``line N, column C: reason``), or
+    ``None`` when every line parses (or the whole file, for a file that is one document)."""
+    with open(path, "rb") as fh:
+        first = True
+        for number, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
             try:
-                with quiet_datasets(False):
-                    load_dataset(source.builder, data_files=[str(f)], split="train",
-                                 cache_dir=str(cache.dir))
-            except DatasetGenerationError as exc:
-                reason = exc.__cause__ or exc
-                raise ValueError(f"data file {str(f)!r} is not valid {_KIND[source.builder]} "
-                                 f"({reason}); fix the file or pass --format raw to train on "
-                                 "its text as it is.") from None
-        raise
+                json.loads(raw.rstrip(b"\r\n"))
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                if first:
+                    break  # not one record per line: a document over several lines
+                return f"line {number}{_json_reason(exc)}"
+            first = False
+        else:
+            return None
+    try:
+        with open(path, "rb") as fh:
+            json.load(fh)
+    except ValueError as exc:
+        at = f"line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "the file"
+        return at + _json_reason(exc)
+    return None
+
+
+def _json_reason(exc: ValueError) -> str:
+    """``, column C: what json says`` (or that it is not UTF-8), to follow a line number."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f", column {exc.colno}: {exc.msg.removesuffix(' at')}"  # "... at" a position
+    return f": not UTF-8 text ({exc})"
+
+
+@contextlib.contextmanager
+def _no_datasets_errors() -> Iterator[None]:
+    """datasets' own logged errors off inside: the error we raise says what failed, once."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.get_verbosity()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(was)
 
 
 _KIND = {"json": "JSON / JSON Lines", "parquet": "Parquet", "csv": "CSV"}

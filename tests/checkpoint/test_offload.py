@@ -195,24 +195,24 @@ def test_no_host_buffer_is_allocated_after_the_first_step(llama: tuple) -> None:
 def test_full_disk_is_an_error_naming_the_tier_and_the_step_can_be_rerun(
         llama: tuple, tmp_path, monkeypatch, how: str) -> None:  # noqa: ANN001
     model, batch, (loss0, g0, _), prof = llama
-    spill_dir = tmp_path / "spill"
-    spill_dir.mkdir()
+    offload_dir = tmp_path / "spill"
+    offload_dir.mkdir()
     if how == "tmpfs":
-        if os.system(f"mount -t tmpfs -o size=64k tmpfs {spill_dir} 2>/dev/null") != 0:
+        if os.system(f"mount -t tmpfs -o size=64k tmpfs {offload_dir} 2>/dev/null") != 0:
             pytest.skip("cannot mount a tmpfs here (needs root)")
     else:
         def full(fd: int, offset: int, nbytes: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(os, "posix_fallocate", full)
     try:
-        install(model, prof, "stored_offload", tier=disk_tier(spill_dir=str(spill_dir)))
+        install(model, prof, "stored_offload", tier=disk_tier(offload_dir=str(offload_dir)))
         model.zero_grad(set_to_none=True)
-        with pytest.raises(TierFullError, match=rf"offload tier 'disk' \(spill folder {spill_dir}"
+        with pytest.raises(TierFullError, match=rf"offload tier 'disk' \(spill folder {offload_dir}"
                                                 r".*no room for \d+ bytes"):
             model(**batch).loss.backward()
         assert all(p.grad is None for p in model.parameters())  # nothing was half done
         if how == "tmpfs":
-            assert os.system(f"mount -o remount,size=64m {spill_dir}") == 0  # room now
+            assert os.system(f"mount -o remount,size=64m {offload_dir}") == 0  # room now
         else:
             monkeypatch.undo()
         loss1, g1, _ = step(model, batch)
@@ -220,7 +220,7 @@ def test_full_disk_is_an_error_naming_the_tier_and_the_step_can_be_rerun(
     finally:
         ck.disable(model)
         if how == "tmpfs":
-            os.system(f"umount {spill_dir}")
+            os.system(f"umount {offload_dir}")
     assert torch.equal(loss0, loss1) and max_diff(g0, g1) <= 1e-6
 
 

@@ -37,8 +37,8 @@ def _enable(model: nn.Module, prof: ck.Profile, budget: int, bandwidth: float,
                      offload_bandwidth=bandwidth, **kw)  # type: ignore[arg-type]
 
 
-def _tier(bandwidth: float, host_budget: int | None = None) -> OffloadTier:
-    return OffloadTier("disk", bandwidth, False, MIN_BYTES, host_budget)
+def _tier(bandwidth: float, offload_host_budget: int | None = None) -> OffloadTier:
+    return OffloadTier("disk", bandwidth, False, MIN_BYTES, offload_host_budget)
 
 
 def test_offload_only_when_needed_or_cheap(chain: tuple) -> None:
@@ -126,16 +126,16 @@ def test_host_budget_binds_and_is_named_when_too_small(chain: tuple) -> None:
     ck.disable(model)
     assert free.host_bytes > 0
     # a host budget the plan needs all of is met
-    tight = _enable(model, prof, budget, SLOW, host_budget=free.host_bytes)
+    tight = _enable(model, prof, budget, SLOW, offload_host_budget=free.host_bytes)
     ck.disable(model)
-    assert tight.host_bytes <= free.host_bytes and tight.tier.host_budget == free.host_bytes
+    assert tight.host_bytes <= free.host_bytes and tight.tier.offload_host_budget == free.host_bytes
     # one too small: refused, naming the smallest peak and its host bytes, the model unchanged
     lowest, host, _ = smallest_peak(prof, offload="auto", tier=_tier(SLOW, 1 << 20),
-                                    host_budget=1 << 20)
+                                    offload_host_budget=1 << 20)
     assert lowest > budget and host <= 1 << 20
     with pytest.raises(ValueError, match=rf"smallest peak .*\({lowest} bytes\).*without the "
                                          r"host budget \(1048576 bytes\)"):
-        _enable(model, prof, budget, SLOW, host_budget=1 << 20)
+        _enable(model, prof, budget, SLOW, offload_host_budget=1 << 20)
     assert "forward" not in model[0].__dict__ and not ck.apply.is_enabled(model)
 
 
@@ -169,28 +169,28 @@ def test_bad_offload_arguments_are_refused(chain: tuple, tmp_path) -> None:  # n
     for kw, msg in [({"offload": "yes"}, "offload must be one of 'auto', 'none', 'inputs', "
                                          "'all', got 'yes'"),
                     ({"offload": 1}, "offload must be one of"),
-                    ({"host_budget": -1}, "host_budget must be"),
+                    ({"offload_host_budget": -1}, "offload_host_budget must be"),
                     ({"offload_min_bytes": 0}, "offload_min_bytes must be"),
                     ({"offload_bandwidth": 0}, "offload_bandwidth must be"),
-                    ({"spill_dir": str(tmp_path / "f")}, "is a file")]:
+                    ({"offload_dir": str(tmp_path / "f")}, "is a file")]:
         (tmp_path / "f").write_text("")
         with pytest.raises(ValueError, match=msg):
             ck.enable(model, "every", profiled=prof, **kw)
     assert not ck.apply.is_enabled(model)
 
 
-def test_old_booleans_warn_and_mean_inputs_and_none(chain: tuple) -> None:
+def test_offload_speaks_one_vocabulary(chain: tuple) -> None:
     model, _, _, prof = chain
     plans = {}
-    for old, new in [(True, "inputs"), (False, "none")]:
-        with pytest.warns(DeprecationWarning, match=f"offload={new!r}"):
-            before = ck.enable(model, "every", profiled=prof, offload=old, offload_bandwidth=1e9)
+    for mode in ("inputs", "none"):
+        plans[mode] = ck.enable(model, "every", profiled=prof, offload=mode,
+                                offload_bandwidth=1e9)
         ck.disable(model)
-        plans[new] = ck.enable(model, "every", profiled=prof, offload=new, offload_bandwidth=1e9)
-        ck.disable(model)
-        assert before.segments == plans[new].segments
     assert {s.kind for s in plans["inputs"].segments} == {"checkpoint_offload"}
     assert {s.kind for s in plans["none"].segments} == {"checkpoint"}
+    for old in (True, False):  # no second spelling: the booleans were never released
+        with pytest.raises(ValueError, match="offload must be one of 'auto', 'none'"):
+            ck.enable(model, "every", profiled=prof, offload=old)
 
 
 def test_offload_all_offloads_stored_blocks_one_a_segment(chain: tuple) -> None:

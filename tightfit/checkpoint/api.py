@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,9 +37,9 @@ def enable(
     budget: int | None = None,
     example: Mapping[str, Any] | torch.Tensor | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    offload: OffloadMode | bool = "auto",
-    host_budget: int | None = None,
-    spill_dir: str | None = None,
+    offload: OffloadMode = "auto",
+    offload_host_budget: int | None = None,
+    offload_dir: str | None = None,
     profiled: Profile | None = None,
     offload_min_bytes: int = MIN_OFFLOAD_BYTES,
     offload_bandwidth: float | None = None,
@@ -67,12 +66,11 @@ def enable(
             fixed policies do not offload. ``"inputs"``: every checkpointed segment's input
             goes to the next tier (the budget solver chooses among stored and
             ``checkpoint_offload``). ``"all"``: that, and stored blocks' saved tensors too
-            (``stored_offload``, one block a segment). ``"none"``: nothing moves. The old
-            ``True`` / ``False`` still mean ``"inputs"`` / ``"none"`` (deprecated).
-        host_budget: Bytes the offloaded activations may take on the next tier (leave room
+            (``stored_offload``, one block a segment). ``"none"``: nothing moves.
+        offload_host_budget: Bytes the offloaded activations may take on the next tier (leave room
             for the paged optimizer's host pages there). ``None``: what the tier has free
             now (free disk of the spill folder; host RAM that can be pinned).
-        spill_dir: Folder for the CPU's spill files (``None``: the temp folder).
+        offload_dir: Folder for the CPU's spill files (``None``: the temp folder).
         profiled: A :func:`~tightfit.checkpoint.profile` of this model and batch to plan
             from instead of ``example`` (profile once, try several policies).
         offload_min_bytes: Saved storages smaller than this stay on the device.
@@ -87,9 +85,11 @@ def enable(
         ValueError / TypeError: Unknown policy, missing or impossible budget, no blocks
             found, an example the model cannot run. The model is left unchanged.
     """
-    offload = _offload_mode(offload)
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got "
+                         f"{offload!r}.")
     _check_budget(policy, budget, example is not None or profiled is not None)
-    tier_args = (host_budget, spill_dir, offload_min_bytes, offload_bandwidth)
+    tier_args = (offload_host_budget, offload_dir, offload_min_bytes, offload_bandwidth)
     _check_offload_args(*tier_args)
     if _hf_checkpointing_on(model):
         raise ValueError("the model already has Hugging Face gradient checkpointing on; call "
@@ -123,27 +123,12 @@ def _check_budget(policy: str, budget: object, has_example: bool) -> None:
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
 
 
-def _offload_mode(offload: object) -> bool | str:
-    """``offload`` in the solver's terms (``False``, ``True``, ``"auto"``, ``"all"``), the old
-    booleans accepted with a deprecation warning."""
-    if isinstance(offload, bool):
-        new = "inputs" if offload else "none"
-        warnings.warn(f"checkpoint.enable(offload={offload}) is deprecated; pass "
-                      f"offload={new!r} (the vocabulary of tightfit.prepare and tightfit train "
-                      f"--offload: {', '.join(OFFLOADS)}).", DeprecationWarning, stacklevel=3)
-        return offload
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got "
-                         f"{offload!r}.")
-    return {"none": False, "inputs": True}.get(offload, offload)  # type: ignore[arg-type]
-
-
 def _plan_for(chain: list[nn.Module], policy: str, budget: int | None, prof: Profile | None,
-              offload: bool | str, tier_args: tuple) -> Plan:
+              offload: OffloadMode, tier_args: tuple) -> Plan:
     """The plan of ``policy``: predicted from ``prof``, or (without one) just its segments."""
     name, k = parse_policy(policy)
     notes: list[str] = []
-    fixed = offload in (True, "all")  # what a fixed policy offloads ("auto": nothing)
+    fixed = offload in ("inputs", "all")  # what a fixed policy offloads ("auto": nothing)
     if prof is None:
         segments = structural_segments(name, k, len(chain))
         if fixed:
@@ -152,47 +137,51 @@ def _plan_for(chain: list[nn.Module], policy: str, budget: int | None, prof: Pro
         return Plan(policy, segments, notes=tuple(notes),
                     tier=tier if any(s.offloads for s in segments) else None)
     # fixed policies offload only when asked to; "auto" is the budget solver's choice
-    tier = _tier(chain, offload if name == "budget" else fixed, prof, notes, *tier_args)
+    tier = _tier(chain, offload if name == "budget" or fixed else "none", prof, notes,
+                 *tier_args)
     return make_plan(prof, policy, budget=budget, offload=offload,  # type: ignore[arg-type]
                      tier=tier, notes=tuple(notes))
 
 
-def _check_offload_args(host_budget: object, spill_dir: object, min_bytes: object,
+def _check_offload_args(offload_host_budget: object, offload_dir: object, min_bytes: object,
                         bandwidth: object) -> None:
-    if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
-        raise ValueError(f"host_budget must be a number of bytes ≥ 0 or None, got "
-                         f"{host_budget!r}.")
+    budget = offload_host_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+        raise ValueError(f"offload_host_budget must be a number of bytes ≥ 0 or None, got "
+                         f"{offload_host_budget!r}.")
     if not isinstance(min_bytes, int) or min_bytes < 1:
         raise ValueError(f"offload_min_bytes must be a positive number of bytes, got "
                          f"{min_bytes!r}.")
     if bandwidth is not None and (not isinstance(bandwidth, int | float) or bandwidth <= 0):
         raise ValueError(f"offload_bandwidth must be bytes per second > 0 or None (measure "
                          f"it), got {bandwidth!r}.")
-    check_spill_dir(spill_dir)  # type: ignore[arg-type]
+    check_spill_dir(offload_dir)  # type: ignore[arg-type]
 
 
-def _tier(chain: list[nn.Module], offload: bool | str, prof: Profile | None, notes: list[str],
-          host_budget: int | None, spill_dir: str | None, min_bytes: int,
+def _tier(chain: list[nn.Module], offload: OffloadMode, prof: Profile | None, notes: list[str],
+          offload_host_budget: int | None, offload_dir: str | None, min_bytes: int,
           bandwidth: float | None) -> OffloadTier | None:
     """The next tier a plan may offload to (``None`` when it may not), with its room checked
     and, when something is big enough to move, its bandwidth measured."""
-    if offload is False:
+    if offload == "none":
         return None
     device = next((p.device for b in chain for p in b.parameters()), torch.device("cpu"))
     name, overlap = tier_of(device)
-    room = tier_capacity(name, spill_dir)
+    room = tier_capacity(name, offload_dir)
     where = "free disk in the spill folder" if name == "disk" else "host RAM that can be pinned"
-    if host_budget is not None and host_budget > room:
-        notes.append(f"host_budget {host_budget} bytes is more than the {name} tier has now "
+    if offload_host_budget is not None and offload_host_budget > room:
+        notes.append(f"offload_host_budget {offload_host_budget} bytes is more than the "
+                     f"{name} tier has now "
                      f"({room} bytes of {where}); planned with {room}.")
-    limit = room if host_budget is None else min(host_budget, room)
+    limit = room if offload_host_budget is None else min(offload_host_budget, room)
     movable = prof is not None and any(
         offload_sizes(prof, Segment(i, i + 1, kind), min_bytes)
         for i in range(len(prof.blocks)) for kind in ("stored_offload", "checkpoint_offload"))
     latency = 0.0
     if bandwidth is None:
-        bandwidth, latency = tier_speed(device, name, spill_dir) if movable else (0.0, 0.0)
-    return OffloadTier(name, float(bandwidth), overlap, min_bytes, limit, spill_dir, latency)
+        bandwidth, latency = tier_speed(device, name, offload_dir) if movable else (0.0, 0.0)
+    return OffloadTier(name, float(bandwidth), overlap, min_bytes, limit, offload_dir, latency)
 
 
 def disable(model: nn.Module) -> Plan | None:

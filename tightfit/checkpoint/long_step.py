@@ -88,10 +88,10 @@ class ActivationPlan:
     notes: list[str] = field(default_factory=list)
 
 
-def check_inputs(model: nn.Module, example: Any, spill_dir: str | None) -> None:
+def check_inputs(model: nn.Module, example: Any, offload_dir: str | None) -> None:
     """Refuse an activation spill folder that cannot be written and an example longer than
     the model's position limit, before anything changes."""
-    check_spill_dir(spill_dir)
+    check_spill_dir(offload_dir)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if example is None or not isinstance(limit, int):
         return
@@ -104,7 +104,7 @@ def check_inputs(model: nn.Module, example: Any, spill_dir: str | None) -> None:
 
 def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
                      checkpoint: str | None, checkpoint_budget: int | None,
-                     offload: OffloadMode, host_budget: int | None, spill_dir: str | None,
+                     offload: OffloadMode, offload_host_budget: int | None, offload_dir: str | None,
                      mlp_tile: int | Literal["auto"] | None,
                      loss_chunks: int | Literal["auto"] | None,
                      compute_dtype: torch.dtype, adapters: Adapters, room: int) -> ActivationPlan:
@@ -115,7 +115,7 @@ def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
         model: The prepared model (its loss already chunked when ``loss_chunks`` asks it).
         example: A batch of the run's shape (``None``: fixed policies only).
         dev: Where the model lives.
-        checkpoint, checkpoint_budget, offload, host_budget, spill_dir, mlp_tile,
+        checkpoint, checkpoint_budget, offload, offload_host_budget, offload_dir, mlp_tile,
             loss_chunks: As :class:`tightfit.PrepareOptions` names them.
         compute_dtype: The dtype of the matmuls.
         adapters: The LoRA adapters on the layers (for the MLP tile's prediction).
@@ -138,7 +138,8 @@ def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
     example = _move_example(example, dev)
     if isinstance(example, Mapping) and "labels" not in example:
         example = {**example, "labels": example["input_ids"]}
-    tier = {"offload": offload, "host_budget": host_budget, "spill_dir": spill_dir}
+    tier = {"offload": offload, "offload_host_budget": offload_host_budget,
+            "offload_dir": offload_dir}
     if policy != "budget":
         out.plan = enable(model, policy, example=example, **tier)
     elif example is None:
@@ -169,7 +170,7 @@ class _LongStep:
     example: Any
     dev: torch.device
     out: ActivationPlan
-    tier: dict[str, Any]  # offload, host_budget, spill_dir: checkpoint.enable's keywords
+    tier: dict[str, Any]  # offload, offload_host_budget, offload_dir: checkpoint.enable's keywords
     mlp_tile: int | Literal["auto"] | None
     loss_chunks: int | Literal["auto"] | None
     compute_dtype: torch.dtype

@@ -52,18 +52,18 @@ def tier_of(device: torch.device) -> tuple[str, bool]:
     return ("host", True) if device.type == "cuda" else ("disk", False)
 
 
-def tier_speed(device: torch.device, tier: str, spill_dir: str | None = None,
+def tier_speed(device: torch.device, tier: str, offload_dir: str | None = None,
                ) -> tuple[float, float]:
     """``(bandwidth, latency)`` of one-way moves from ``device`` to ``tier``: timed round
     trips through the copy engine (:func:`~tightfit.tiers.regions.measure_tier`), measured
     once per device, tier and file system."""
     try:
-        fs = os.stat(spill_dir or tempfile.gettempdir()).st_dev if tier == "disk" else 0
+        fs = os.stat(offload_dir or tempfile.gettempdir()).st_dev if tier == "disk" else 0
     except OSError:
         fs = -1
     key = (str(device), tier, fs)
     if key not in _SPEED:
-        engine, pool, spill = _engine_and_pool(device, tier, spill_dir, 9 << 20, None)
+        engine, pool, spill = _engine_and_pool(device, tier, offload_dir, 9 << 20, None)
         try:
             _SPEED[key] = measure_tier(engine, pool, device)
         finally:
@@ -74,11 +74,11 @@ def tier_speed(device: torch.device, tier: str, spill_dir: str | None = None,
     return _SPEED[key]
 
 
-def _engine_and_pool(device: torch.device, tier: str, spill_dir: str | None, grow: int,
+def _engine_and_pool(device: torch.device, tier: str, offload_dir: str | None, grow: int,
                      limit: int | None) -> tuple[CopyEngine, RegionPool, SpillArea | None]:
     if tier == "host":
         return CudaCopyEngine(device), pinned_pool(grow, limit), None
-    spill = SpillArea(spill_dir)
+    spill = SpillArea(offload_dir)
     return CopyEngine(), disk_pool(spill, grow, limit), spill
 
 
@@ -138,7 +138,7 @@ class Offloader:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.tier, self.min_bytes = device, tier, tier.min_bytes
         self.engine, self.pool, self.spill = _engine_and_pool(
-            device, tier.name, tier.spill_dir, host_bytes, tier.host_budget)
+            device, tier.name, tier.offload_dir, host_bytes, tier.offload_host_budget)
         self._num = num_segments
         self._written: list[list[weakref.ref]] = [[] for _ in range(num_segments + 1)]
         self._items: list[list[weakref.ref]] = [[] for _ in range(num_segments + 1)]

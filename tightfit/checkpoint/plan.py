@@ -71,8 +71,8 @@ class OffloadTier:
         overlap: Whether moves run beside the compute (CUDA's copy engines); on the CPU the
             copy thread shares the cores with the compute, so moves are charged whole.
         min_bytes: Saved storages smaller than this stay on the device.
-        host_budget: Bytes the plan may place on the tier (``None``: no limit).
-        spill_dir: The folder of the disk tier's spill files (``None``: the temp folder).
+        offload_host_budget: Bytes the plan may place on the tier (``None``: no limit).
+        offload_dir: The folder of the disk tier's spill files (``None``: the temp folder).
         latency_s: Fixed seconds of one move of a segment's bytes, one way (on the disk tier
             mostly the ``msync``).
     """
@@ -81,8 +81,8 @@ class OffloadTier:
     bandwidth: float
     overlap: bool
     min_bytes: int = MIN_OFFLOAD_BYTES
-    host_budget: int | None = None
-    spill_dir: str | None = None
+    offload_host_budget: int | None = None
+    offload_dir: str | None = None
     latency_s: float = 0.0
 
 
@@ -175,7 +175,8 @@ class Plan:
         if self.tier is None or not self.offload:
             return []
         mib, t = 1024 * 1024, self.tier
-        allowed = "" if t.host_budget is None else f" of {t.host_budget / mib:.1f} MiB allowed"
+        allowed = ("" if t.offload_host_budget is None
+                   else f" of {t.offload_host_budget / mib:.1f} MiB allowed")
         lines = [f"  next tier ({t.name:<4})     {self.host_bytes / mib:10.1f} MiB{allowed}; "
                  f"{t.bandwidth / 1e9:.2f} GB/s + {1e3 * t.latency_s:.2f} ms a move, "
                  f"{'overlapped with compute' if t.overlap else 'not overlapped'}"]
@@ -251,11 +252,11 @@ def structural_segments(name: PolicyName, k: int | None, n: int) -> tuple[Segmen
     raise ValueError(f"policy {name!r} needs a profile; use the solver.")
 
 
-def apply_offload(segments: tuple[Segment, ...], mode: object) -> tuple[Segment, ...]:
-    """``segments`` with a fixed offload ``mode`` applied: ``"inputs"`` (or ``True``, the old
-    spelling) :func:`offload_inputs`, ``"all"`` :func:`offload_all`; any other mode
-    (``"none"``, ``False``, ``"auto"``: the budget solver's choice) leaves them as they are."""
-    if mode is True or mode == "inputs":
+def apply_offload(segments: tuple[Segment, ...], mode: OffloadMode) -> tuple[Segment, ...]:
+    """``segments`` with a fixed offload ``mode`` applied: ``"inputs"`` :func:`offload_inputs`,
+    ``"all"`` :func:`offload_all`; ``"none"`` and ``"auto"`` (the budget solver's choice)
+    leave them as they are."""
+    if mode == "inputs":
         return offload_inputs(segments)
     if mode == "all":
         return offload_all(segments)

@@ -30,6 +30,7 @@ from tightfit.checkpoint.cost import (
     tail_cost,
 )
 from tightfit.checkpoint.plan import (
+    OffloadMode,
     OffloadTier,
     Plan,
     Segment,
@@ -40,12 +41,11 @@ from tightfit.checkpoint.plan import (
 
 _MIB = 1024 * 1024
 _FRONT_CAP = 512  # per boundary; far above what chains of a few hundred blocks produce
-Offload = bool | Literal["auto", "all"]
 
 # the placements the DP may use, plain ones first (equal cost: the plain one wins)
-PLACEMENTS: dict[object, tuple[str, ...]] = {
-    False: ("stored", "checkpoint"),
-    True: ("stored", "checkpoint_offload"),
+PLACEMENTS: dict[str, tuple[str, ...]] = {
+    "none": ("stored", "checkpoint"),
+    "inputs": ("stored", "checkpoint_offload"),
     "auto": ("stored", "checkpoint", "stored_offload", "checkpoint_offload"),
     # a stored_offload with nothing big enough to move stays a plain stored block
     "all": ("stored_offload", "checkpoint_offload"),
@@ -57,17 +57,19 @@ class Tables:
 
     Args:
         prof: The profile.
-        offload: ``False``, ``True`` (checkpointed inputs on the next tier) or ``"auto"``.
+        offload: ``"none"``, ``"inputs"`` (checkpointed inputs on the next tier), ``"all"``
+            or ``"auto"`` (every placement).
         tier: The next tier (its bandwidth, ``min_bytes``); without it nothing offloads.
         allow_selective: Also one-block selective checkpoints.
     """
 
-    def __init__(self, prof: Profile, offload: Offload = False, tier: OffloadTier | None = None,
+    def __init__(self, prof: Profile, offload: OffloadMode = "none",
+                 tier: OffloadTier | None = None,
                  allow_selective: bool = False) -> None:
         self.prof, self.tier = prof, tier
         n = self.n = len(prof.blocks)
-        offloading = tier is not None and offload is not False
-        kinds = PLACEMENTS[offload] if offloading else PLACEMENTS[False]
+        offloading = tier is not None and offload != "none"
+        kinds = PLACEMENTS[offload] if offloading else PLACEMENTS["none"]
         min_bytes = tier.min_bytes if tier is not None else 1 << 62
         self.starting: list[list[tuple[int, Segment, SegmentCost]]] = [[] for _ in range(n)]
         for a in range(n):
@@ -134,17 +136,17 @@ class _Entry:
         self.framed = framed  # a checkpoint frame came: savings are net of frame_bytes
 
 
-def _search(tables: Tables, budget: int | None, host_budget: int | None,
+def _search(tables: Tables, budget: int | None, offload_host_budget: int | None,
             by: Literal["time", "peak"]) -> list[tuple[_Entry, int, float]]:
     """Complete plans on the fronts: ``(entry, peak, time)`` with the tail charged."""
     prof, n = tables.prof, tables.n
     fronts: list[list[_Entry]] = [[] for _ in range(n + 1)]
     if budget is None or prof.prefix_peak_bytes <= budget:
         fronts[0] = [_Entry(0.0, 0, 0, 0, prof.prefix_peak_bytes, None, None, None)]
-    host_counts = host_budget is not None and host_budget < tables.most_host
+    host_counts = offload_host_budget is not None and offload_host_budget < tables.most_host
     frame = prof.frame_bytes
     limit = budget if budget is not None else 1 << 62
-    host_limit = host_budget if host_budget is not None else 1 << 62
+    host_limit = offload_host_budget if offload_host_budget is not None else 1 << 62
     for j in range(n):
         front = fronts[j]
         if budget is not None:
@@ -232,26 +234,27 @@ def _merge_stored(segs: list[Segment]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def smallest_peak(prof: Profile, tables: Tables | None = None, *, offload: Offload = False,
-                  tier: OffloadTier | None = None, host_budget: int | None = None,
+def smallest_peak(prof: Profile, tables: Tables | None = None, *, offload: OffloadMode = "none",
+                  tier: OffloadTier | None = None, offload_host_budget: int | None = None,
                   ) -> tuple[int, int, tuple[Segment, ...]]:
     """The smallest predicted peak any plan reaches, the host bytes it needs, its segments."""
     tables = tables or Tables(prof, offload, tier)
-    done = _search(tables, None, host_budget, "peak")
+    done = _search(tables, None, offload_host_budget, "peak")
     e, peak, _ = min(done, key=lambda d: (d[1], d[0].host))
     return int(peak), e.host, _segments_of(e)
 
 
-def min_peak(prof: Profile, tables: Tables | None = None, offload: Offload = False,
-             tier: OffloadTier | None = None, host_budget: int | None = None) -> int:
+def min_peak(prof: Profile, tables: Tables | None = None, offload: OffloadMode = "none",
+             tier: OffloadTier | None = None, offload_host_budget: int | None = None) -> int:
     """The smallest predicted peak any plan reaches (stored/checkpointed segments unless
     ``offload`` and a ``tier`` allow offloaded ones)."""
-    return smallest_peak(prof, tables, offload=offload, tier=tier, host_budget=host_budget)[0]
+    return smallest_peak(prof, tables, offload=offload, tier=tier,
+                         offload_host_budget=offload_host_budget)[0]
 
 
 def solve_budget(prof: Profile, budget: int, tables: Tables | None = None,
-                 offload: Offload = False, allow_selective: bool = False, *,
-                 tier: OffloadTier | None = None, host_budget: int | None = None,
+                 offload: OffloadMode = "none", allow_selective: bool = False, *,
+                 tier: OffloadTier | None = None, offload_host_budget: int | None = None,
                  ) -> tuple[Segment, ...]:
     """Segments with the least modelled time whose predicted peak is ≤ ``budget``.
 
@@ -263,26 +266,27 @@ def solve_budget(prof: Profile, budget: int, tables: Tables | None = None,
             host bytes it would need.
     """
     tables = tables or Tables(prof, offload, tier, allow_selective)
-    done = _search(tables, budget, host_budget, "time")
+    done = _search(tables, budget, offload_host_budget, "time")
     if not done:
-        raise ValueError(_no_plan_message(prof, budget, tables, offload, tier, host_budget))
+        raise ValueError(_no_plan_message(prof, budget, tables, offload, tier, offload_host_budget))
     best = min(done, key=lambda d: (d[2], d[0].host, -d[0].savings))
     return _segments_of(best[0])
 
 
-def _no_plan_message(prof: Profile, budget: int, tables: Tables, offload: Offload,
-                     tier: OffloadTier | None, host_budget: int | None) -> str:
-    need, host, _ = smallest_peak(prof, tables, host_budget=host_budget)
+def _no_plan_message(prof: Profile, budget: int, tables: Tables, offload: OffloadMode,
+                     tier: OffloadTier | None, offload_host_budget: int | None) -> str:
+    need, host, _ = smallest_peak(prof, tables, offload_host_budget=offload_host_budget)
     where = f"{tier.name} tier" if tier is not None else "next tier"
     msg = (f"budget {budget / _MIB:.1f} MiB ({budget} bytes) is below the smallest peak any "
            f"checkpoint plan reaches on this example, {need / _MIB:.1f} MiB ({need} bytes)")
-    if host or (offload is not False and tier is not None):
+    if host or (offload != "none" and tier is not None):
         # the host bytes are named even when 0: "how much host memory would it need" is asked
         msg += f", with {host} bytes ({host / _MIB:.1f} MiB) offloaded to the {where}"
-    if host_budget is not None and tier is not None and offload is not False:
+    if offload_host_budget is not None and tier is not None and offload != "none":
         free, free_host, _ = smallest_peak(prof, Tables(prof, offload, tier))
         if free < need:
-            msg += (f"; without the host budget ({host_budget} bytes) it would be {free} bytes "
+            msg += (f"; without the host budget ({offload_host_budget} bytes) it would be "
+                    f"{free} bytes "
                     f"with {free_host} bytes on the {where}")
     return (msg + f". Raise the budget to at least {need}, or shrink the batch / sequence, or "
             "compute the head + loss in chunks (tightfit.loss)"
@@ -290,21 +294,23 @@ def _no_plan_message(prof: Profile, budget: int, tables: Tables, offload: Offloa
                "next tier") + ".")
 
 
-def make_plan(prof: Profile, policy: str, *, budget: int | None = None, offload: Offload = False,
+def make_plan(prof: Profile, policy: str, *, budget: int | None = None,
+              offload: OffloadMode = "none",
               tier: OffloadTier | None = None, notes: tuple[str, ...] = ()) -> Plan:
     """Build the plan of ``policy`` for a profiled model, with its predictions.
 
-    ``offload``: ``False`` never offloads; ``True`` puts every checkpointed segment's input on
+    ``offload``: ``"none"`` never offloads; ``"inputs"`` puts every checkpointed segment's input on
     the next tier; ``"all"`` also stored blocks' saved tensors; ``"auto"`` lets the budget
-    solver use every placement. Offloading needs a ``tier`` (its ``host_budget`` bounds the
+    solver use every placement. Offloading needs a ``tier`` (its ``offload_host_budget`` bounds the
     host bytes).
     """
     name, k = parse_policy(policy)
-    host_budget = tier.host_budget if tier is not None else None
+    offload_host_budget = tier.offload_host_budget if tier is not None else None
     if name == "budget":
         if budget is None:
             raise ValueError("policy='budget' needs budget=<bytes>.")
-        segments = solve_budget(prof, budget, offload=offload, tier=tier, host_budget=host_budget)
+        segments = solve_budget(prof, budget, offload=offload, tier=tier,
+                                offload_host_budget=offload_host_budget)
     else:
         segments = structural_segments(name, k, len(prof.blocks))
         segments = apply_offload(segments, offload)

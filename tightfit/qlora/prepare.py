@@ -159,52 +159,33 @@ def _auto_device(device: torch.device | str | None) -> torch.device:
 
 def prepare(
     model_or_path: nn.Module | str | os.PathLike[str],
+    options: PrepareOptions | None = None,
     *,
-    quant: str | None = "nf4",
-    double_quant: bool = True,
-    blocksize: int = 64,
-    compute_dtype: str = "auto",
     lora: LoraOptions | Mapping[str, Any] | Literal[False] | None = None,
-    checkpoint: str | None = "budget",
-    checkpoint_budget: int | None = None,
-    loss_chunks: int | str | None = "auto",
     example: Mapping[str, Any] | torch.Tensor | None = None,
     device: torch.device | str | None = None,
-    options: PrepareOptions | None = None,
-    offload: str = "auto",
-    offload_host_budget: int | None = None,
-    offload_dir: str | None = None,
-    mlp_tile: int | str | None = "auto",
+    **overrides: Any,
 ) -> nn.Module:
     """Stack the QLoRA memory pieces on a causal LM and return the model to train.
 
+    >>> model = tightfit.prepare(model, checkpoint_budget=2 << 30, example=batch)
+    >>> model = tightfit.prepare(model, PrepareOptions(quant="fp4"), lora={"r": 32})
+
     Args:
         model_or_path: An ``nn.Module`` (an HF causal LM) or a local HF model folder.
-        quant: ``"nf4"`` / ``"fp4"`` 4-bit base weights (bitsandbytes), or ``None``.
-        double_quant: Quantize the quantization constants as well.
-        blocksize: Weights per quantization block.
-        compute_dtype: ``"auto"`` (bfloat16 on CUDA, float32 on the CPU) or a dtype name.
+        options: How the pieces are stacked (:class:`PrepareOptions`; default: its
+            defaults, the QLoRA recipe).
         lora: LoRA options (a dict or :class:`LoraOptions`); ``None`` defaults to
             ``LoraOptions()``; pass ``False`` for no adapters (then nothing is trainable
             unless ``quant`` is ``None``).
-        checkpoint: Checkpoint policy for tightfit's planner (``"budget"``, ``"none"``,
-            ``"every"``, ``"sqrt"``, ``"uniform:k"``, ``"selective"``) or ``None``.
-        checkpoint_budget: Bytes of activations the ``"budget"`` policy may use; when
-            ``None``, halfway between the smallest peak any plan reaches and no
-            checkpointing (profiled on ``example``).
-        loss_chunks: Tokens per chunk of the LM head + loss, ``"auto"`` or ``None`` (or
-            ``"none"``, as ``checkpoint="none"`` is spelled).
         example: A batch as the model is called with it (``{"input_ids": ..., "labels": ...}``);
             the planner profiles it. Without one, ``"budget"`` falls back to ``"sqrt"``.
         device: Where to put the model (default: CUDA when available, else the CPU).
-        options: A full :class:`PrepareOptions`, overriding the keyword arguments.
-        offload: Where activations wait for backward: ``"auto"`` (the budget solver moves
-            them to the next tier when the budget needs it), ``"none"``, ``"inputs"``
-            (checkpointed segments' inputs), ``"all"`` (stored layers' saved tensors too).
-        offload_host_budget: Bytes offloaded activations may take on the next tier.
-        offload_dir: Folder of the CPU's activation spill files (default: temp folder).
-        mlp_tile: Tokens per MLP tile: ``"auto"`` (only when a long step needs it; see
-            :mod:`tightfit.checkpoint.long_step`), ``"none"`` / ``None``, or an int (always).
+        **overrides: Fields of :class:`PrepareOptions` by name (``quant``, ``double_quant``,
+            ``blocksize``, ``compute_dtype``, ``checkpoint``, ``checkpoint_budget``,
+            ``loss_chunks``, ``offload``, ``offload_host_budget``, ``offload_dir``,
+            ``mlp_tile``), each documented there; one that differs from what ``options``
+            says is an error, not a silent choice.
 
     Returns:
         The prepared model (a peft model when LoRA is on), with ``model.tightfit_info``.
@@ -215,21 +196,8 @@ def prepare(
             model is quantized; their error then carries a note that the module passed in
             was changed in place and must be loaded again (a folder path is loaded afresh).
     """
-    if options is None:
-        options = PrepareOptions(
-            quant=quant,  # type: ignore[arg-type]
-            double_quant=double_quant,
-            blocksize=blocksize,
-            compute_dtype=compute_dtype,  # type: ignore[arg-type]
-            checkpoint=checkpoint,
-            checkpoint_budget=checkpoint_budget,
-            loss_chunks=loss_chunks,  # type: ignore[arg-type]
-            offload=offload,  # type: ignore[arg-type]
-            offload_host_budget=offload_host_budget,
-            offload_dir=offload_dir,
-            mlp_tile=mlp_tile,  # type: ignore[arg-type]
-        )
-    return _prepare(model_or_path, options, lora, example, device)
+    return _prepare(model_or_path, PrepareOptions.merged(options, overrides), lora, example,
+                    device)
 
 
 def _prepare(
@@ -308,7 +276,7 @@ def plan_step(model: nn.Module, info: PrepareInfo,
     activations = plan_activations(
         model, example, info.device, checkpoint=options.checkpoint,
         checkpoint_budget=options.checkpoint_budget, offload=options.offload,
-        host_budget=options.offload_host_budget, spill_dir=options.offload_dir,
+        offload_host_budget=options.offload_host_budget, offload_dir=options.offload_dir,
         mlp_tile=options.mlp_tile, loss_chunks=options.loss_chunks,  # type: ignore[arg-type]
         compute_dtype=info.compute_dtype, adapters=adapters, room=machine_room(info.device))
     info.plan, info.tiling = activations.plan, activations.tiling

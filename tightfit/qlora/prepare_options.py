@@ -7,7 +7,7 @@ Every field carries its help text in ``metadata["help"]``; ``tightfit train`` bu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -22,11 +22,12 @@ ComputeDtypeName = Literal["auto", DtypeName]
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """LoRA adapters (peft) on the frozen base."""
+    """LoRA adapters (peft) on the frozen base; the defaults are the QLoRA recipe's (r=16,
+    alpha=16, dropout 0.05), for ``tightfit.prepare`` and ``tightfit train`` alike."""
 
-    r: int = field(default=8, metadata={"help": "LoRA rank"})
+    r: int = field(default=16, metadata={"help": "LoRA rank"})
     alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA input"})
     target_modules: str | tuple[str, ...] = field(
         default="all-linear",
         metadata={
@@ -179,6 +180,30 @@ class PrepareOptions:
                                    or budget < 0):
             raise ValueError(f"offload_host_budget must be a number of bytes >= 0 or None, got "
                              f"{budget!r}.")
+
+    @classmethod
+    def merged(cls, options: PrepareOptions | None, overrides: Mapping[str, Any]) -> PrepareOptions:
+        """``options`` (default: ``PrepareOptions()``) with ``overrides`` applied by field name.
+
+        Raises:
+            TypeError: An override that is not a field.
+            ValueError: An override that differs from what ``options`` says.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown prepare option(s) {unknown}; valid ones are "
+                            f"{sorted(known)}.")
+        if options is None:
+            return cls(**overrides)
+        merged = replace(options, **overrides)  # each value as the dataclass spells it
+        clash = [k for k in overrides if getattr(merged, k) != getattr(options, k)]
+        if clash:
+            said = ", ".join(f"{k}={overrides[k]!r} (options has {getattr(options, k)!r})"
+                             for k in clash)
+            raise ValueError(f"prepare() got options= and {said}; pass one: change the "
+                             f"PrepareOptions (dataclasses.replace) or drop options=.")
+        return options
 
     def torch_compute_dtype(self, device: torch.device) -> torch.dtype:
         """The compute dtype as a torch dtype, ``auto`` resolved for ``device``."""

@@ -30,10 +30,6 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 _FIELD_NAMES = sorted({f for names in FORMAT_FIELDS.values() for f in names})
 
-# QLoRA's recipe, where it differs from the pieces' own defaults (its learning rate is
-# OptimizerOptions' own default: tightfit.optim.optimizer_options.RECIPE_LR).
-RECIPE_LORA = LoraOptions(r=16, alpha=16, dropout=0.05)
-
 # Options a resumed run may change: they do not change the trajectory (the loss, adapter and
 # optimizer state of every step). --steps changes a decaying schedule's horizon; setup says so.
 RESUME_FREE = frozenset({
@@ -71,6 +67,11 @@ class TrainOptions:
 
     model: str | None = field(
         default=None, metadata={"help": "local HF causal-LM folder (default: the built-in model)"}
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "tokenizer folder, or bytes for UTF-8 bytes as ids 0-255 (default: the "
+                          "model folder's own; bytes for the built-in model)"},
     )
     out: str | None = field(
         default=None,
@@ -227,10 +228,6 @@ class DataOptions:
         return mapping
 
 
-def _recipe_lora() -> LoraOptions:
-    return RECIPE_LORA
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """Every option of a training run, grouped by the piece it configures."""
@@ -238,7 +235,7 @@ class RunConfig:
     train: TrainOptions = field(default_factory=TrainOptions)
     data: DataOptions = field(default_factory=DataOptions)
     prepare: PrepareOptions = field(default_factory=PrepareOptions)
-    lora: LoraOptions = field(default_factory=_recipe_lora)
+    lora: LoraOptions = field(default_factory=LoraOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
 
     def flat(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from tightfit.checkpoint.long_step import Adapters, check_inputs, plan_activations
-from tightfit.checkpoint.plan import Plan
+from tightfit.checkpoint.plan import Plan, parse_policy
 from tightfit.checkpoint.tiling import Tiling
+from tightfit.loss import enable_chunked_loss
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.pressure.room import machine_room
 from tightfit.qlora.coverage import coverage_notes
@@ -293,8 +294,6 @@ def _check_device_and_policy(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available; pass device='cpu'.")
     if options.checkpoint not in (None, "none"):
-        from tightfit.checkpoint.plan import parse_policy
-
         parse_policy(options.checkpoint)  # raises ValueError naming the valid policies
     return dev, options.torch_compute_dtype(dev)
 
@@ -315,6 +314,8 @@ def _add_lora(
 ) -> nn.Module:
     """``model`` wrapped by peft with LoRA adapters on the layers ``targets`` and the MoE
     expert weights ``expert_targets`` (peft's parameter targets)."""
+    # peft (and expert_lora, which subclasses its layer) cost seconds to import: only when
+    # adapters are added, so `import tightfit.qlora.prepare` stays quick for the planner
     from peft import LoraConfig, get_peft_model
 
     from tightfit.qlora.expert_lora import custom_modules
@@ -351,7 +352,5 @@ def _add_lora(
 def _apply_loss_chunks(model: nn.Module, chunks: int | str | None, notes: list[str]) -> Any:
     if chunks is None:
         return None
-    from tightfit.loss import enable_chunked_loss
-
     enable_chunked_loss(model, chunk_tokens=chunks)  # type: ignore[arg-type]
     return chunks

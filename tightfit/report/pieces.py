@@ -19,6 +19,8 @@ import bitsandbytes.functional as bnbF
 import torch
 from torch import nn
 
+from tightfit.checkpoint import apply as ckpt_apply
+from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.qlora.experts import expert_specs, is_4bit_experts, packed_experts
 from tightfit.qlora.quantize import linear4bit_layers
@@ -171,8 +173,6 @@ def frozen_other_bytes(model: nn.Module, *, plain_linears: bool = False) -> int:
 @contextlib.contextmanager
 def memory_pieces_off(model: nn.Module) -> Iterator[None]:
     """Temporarily take the checkpoint plan and the chunked loss off ``model``."""
-    from tightfit.checkpoint import apply as ckpt_apply
-    from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
 
     chunked = is_chunked_loss_enabled(model)
     info = getattr(model, "tightfit_info", None)

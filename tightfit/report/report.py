@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit.loss import is_chunked_loss_enabled
+from tightfit.qlora.prepare import PrepareInfo
 from tightfit.report import pieces
 from tightfit.report.document import MemoryReport, Piece
 
@@ -154,7 +156,8 @@ def _constants_row(model: nn.Module) -> Piece:
 
 
 def _activations_row(
-    model: nn.Module, batch: Mapping[str, torch.Tensor], info: Any, without_peak: int | None
+    model: nn.Module, batch: Mapping[str, torch.Tensor], info: PrepareInfo | None,
+    without_peak: int | None
 ) -> tuple[Piece, int]:
     """The activation peak of one step as it ran, beside the same step without a checkpoint
     plan and without the chunked loss (measured once when neither was on; ``without_peak``
@@ -183,15 +186,13 @@ def _activations_row(
 
 
 def _chunked(model: nn.Module) -> bool:
-    from tightfit.loss import is_chunked_loss_enabled
-
     try:
         return is_chunked_loss_enabled(model)
     except TypeError:  # not an HF causal LM: no chunked loss on it
         return False
 
 
-def _has_lora(model: nn.Module, info: Any) -> bool:
+def _has_lora(model: nn.Module, info: PrepareInfo | None) -> bool:
     if info is not None:
         return info.lora is not None
     return callable(getattr(model, "get_base_model", None))  # a peft model

@@ -18,7 +18,9 @@ from tightfit.planner.estimate import Estimate, Overhead, estimate
 from tightfit.planner.presets import shape_from_config
 from tightfit.planner.train_setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.pressure.occupancy import default_probe
+from tightfit.qlora.prepare import PrepareInfo
 from tightfit.report.document import MemoryReport
+from tightfit.train.run_options import RunConfig
 
 if TYPE_CHECKING:
     from tightfit.train.run_setup import Run
@@ -45,12 +47,12 @@ def planned_estimate(run: Run) -> tuple[Estimate | None, str]:
     try:
         shape = shape_from_config(config.to_dict(), name=type(run.model).__name__)
         setup = TrainSetup(
-            seq_len=length, batch=rows,
+            seq_len=length, batch_size=rows,
             compute_dtype=dtype_name(str(info.compute_dtype).removeprefix("torch.")),
             # FP4 is stored as NF4 is (two values a byte, the same constants)
             quant="nf4" if info.options.quant is not None else "none",
             double_quant=info.options.double_quant, blocksize=info.options.blocksize,
-            lora_r=lora.r, lora_targets=targets, lora_dropout=lora.dropout,
+            lora_r=lora.r, lora_target_modules=targets, lora_dropout=lora.dropout,
             checkpoint=policy,
             checkpoint_budget=getattr(plan, "budget_bytes", None) if policy == "budget" else None,
             optimizer=cfg.optimizer.kind,
@@ -63,7 +65,7 @@ def planned_estimate(run: Run) -> tuple[Estimate | None, str]:
         return None, f"tightfit plan cannot model this run: {exc}"
 
 
-def _device_budget(run: Run, cfg: Any) -> int | None:
+def _device_budget(run: Run, cfg: RunConfig) -> int | None:
     """The device budget the run's optimizer pages under: the one it was built with (the
     built-in demo sets its own), else the option as given."""
     stats = getattr(run.optimizer, "memory_stats", None)
@@ -71,7 +73,7 @@ def _device_budget(run: Run, cfg: Any) -> int | None:
     return cfg.optimizer.device_budget if budget is None else int(budget)
 
 
-def _chunk_tokens(info: Any, vocab: int, length: int, rows: int) -> int | None:
+def _chunk_tokens(info: PrepareInfo, vocab: int, length: int, rows: int) -> int | None:
     """Tokens per loss chunk as the run used them (``"auto"`` resolved for this batch)."""
     chunks = info.loss_chunks
     if chunks is None:

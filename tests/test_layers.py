@@ -188,3 +188,32 @@ def test_modules_and_functions_stay_small() -> None:
                     too_long.append(f"{name}:{node.lineno} {node.name}(): {n} lines "
                                     f"(> {MAX_FUNCTION_LINES})")
     assert not too_long, "split these:\n" + "\n".join(too_long)
+
+
+def private_imports_of(path: Path, source: str | None = None) -> list[str]:
+    """``"line: name"`` for every ``_private`` name the file imports from another folder (a
+    private name is its own folder's business; make it public where another folder needs it).
+    Monkeypatching in tests is not an import and is not counted."""
+    module = _module_name(path)
+    folder = module.split(".")[1] if module.count(".") else ""
+    text = path.read_text() if source is None else source
+    found = []
+    for node in ast.walk(ast.parse(text, str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        parts = node.module.split(".")
+        if parts[0] != "tightfit" or (parts[1] if len(parts) > 1 else "") == folder:
+            continue
+        found += [f"{node.lineno}: {node.module}.{a.name}" for a in node.names
+                  if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another_folder() -> None:
+    private = [f"{p.relative_to(PACKAGE.parent)}:{hit}" for p in sorted(PACKAGE.rglob("*.py"))
+               for hit in private_imports_of(p)]
+    assert not private, "private names imported across folders:\n" + "\n".join(private)
+    here = PACKAGE / "train" / "step.py"  # the check itself can fail
+    assert private_imports_of(here, "from tightfit.qlora.quantize import _heads, ok\n"
+                                    "from tightfit.train.loop import _own\n") == [
+        "1: tightfit.qlora.quantize._heads"]

@@ -118,7 +118,7 @@ def measure(n: int, rounds: int, page: int, threads: int, with_bnb: bool) -> lis
     notes = []
     if with_bnb:
         try:
-            import bitsandbytes as bnb
+            import bitsandbytes as bnb  # optional and heavy: only when compared with
 
             configs["bitsandbytes AdamW (32-bit, CPU)"] = bnb.optim.AdamW([param], optim_bits=32)
         except Exception as exc:  # noqa: BLE001

@@ -73,7 +73,7 @@ def main() -> int:
     }
     notes = []
     try:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional and heavy: only for the comparison rows
 
         makers["bitsandbytes AdamW (32-bit)"] = lambda: bnb.optim.AdamW([param], optim_bits=32)
         makers["bitsandbytes PagedAdamW (32-bit)"] = lambda: bnb.optim.PagedAdamW([param])

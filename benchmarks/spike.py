@@ -42,6 +42,9 @@ import torch
 from environment import cpu_model, load_text, versions_text
 from torch import nn
 
+from tightfit import PagedAdamW, PressureWatch
+from tightfit.pressure.probes import RSSProbe
+
 MiB = 2**20
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -178,9 +181,6 @@ def run_child(
 # ---------------------------------------------------------------------------- the child
 def child_main(ns: argparse.Namespace) -> None:
     """One run in its own process; one JSON line per step so a killed run leaves a trace."""
-    from tightfit import PagedAdamW, PressureWatch
-    from tightfit.pressure.probes import RSSProbe
-
     torch.set_num_threads(ns.threads)
     out = open(ns.log, "w")  # noqa: SIM115 - line by line, flushed
 
@@ -245,9 +245,6 @@ def overhead_main(ns: argparse.Namespace, batches: list, emit) -> None:  # noqa:
     that load from other processes on the machine falls on all three alike; each has its own
     copy of the model.
     """
-    from tightfit import PagedAdamW
-    from tightfit.pressure.probes import RSSProbe
-
     runs = {}
     for name in ("torch", "paged", "paged+watch"):
         torch.manual_seed(0)

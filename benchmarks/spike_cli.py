@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from environment import cpu_model, git_commit, load_text, versions_text
+from safetensors.torch import load_file
 from spike import Cap, cgroup_figures, child_cgroup, detect_cap
 
 MiB = 2**20
@@ -54,7 +55,7 @@ WORDS = ["the", "a", "of", "paged", "optimizer", "state", "spike", "memory", "lo
 # ---------------------------------------------------------------------------- inputs
 def make_inputs(folder: Path, ns: argparse.Namespace) -> tuple[Path, Path, Path]:
     """A Llama folder (random weights, byte vocabulary), spike data and short-only data."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only when making inputs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=ns.hidden, intermediate_size=2 * ns.hidden,
@@ -111,7 +112,8 @@ def train(label: str, out: Path, model: Path, data: Path, ns: argparse.Namespace
            str(data), "--format", "text", "--out", str(out), "--steps", str(ns.steps),
            "--batch-size", "2", "--seq-len", str(ns.long), "--lora-r", str(ns.lora_r),
            "--lora-alpha", str(ns.lora_r), "--threads", "1", "--save-every", "1000",
-           "--track-every", "0", "--spill-dir", str(out.parent / "spill"), *extra]
+           "--track-every", "0", "--spill-dir", str(out.parent / "spill"), "--tokenizer", "bytes",
+           *extra]
     cg, preexec = child_cgroup(cap, limit, "tightfit-spike-cli")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
@@ -207,8 +209,6 @@ def pressure_share(run: Run) -> float:
 
 
 def same_adapter(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
-
     x = load_file(str(a / "adapter" / "adapter_model.safetensors"))
     y = load_file(str(b / "adapter" / "adapter_model.safetensors"))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -8,6 +8,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim import quant8
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 
@@ -338,8 +339,6 @@ def test_torch_backend_is_budget_invariant_and_close_to_bitsandbytes() -> None:
 
 
 def test_torch_backend_transient_memory_is_per_chunk_not_per_state() -> None:
-    from tightfit.measure.tracker import MemoryTracker
-
     peaks = []
     for n_params in (4, 16):
         ps = [torch.randn(65_536) for _ in range(n_params)]

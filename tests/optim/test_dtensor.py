@@ -7,9 +7,15 @@ import torch
 import torch.distributed as dist
 
 from tightfit.optim import dtensor
+from tightfit.optim.adamw import PagedAdamW
+from tightfit.optim.adamw8bit import PagedAdamW8bit
+from tightfit.optim.lion import PagedLion, PagedLion8bit
+from tightfit.optim.sgd import PagedSGD
 
 from ..tiers.counting import count_copies
 
+# torch.distributed's tensor and mesh modules are imported inside the tests: on a build
+# without torch.distributed the module still loads, and the mark below skips its tests.
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(
@@ -84,11 +90,6 @@ def test_partial_placement_is_rejected(mesh) -> None:
 
 
 def _paged(name: str):
-    from tightfit.optim.adamw import PagedAdamW
-    from tightfit.optim.adamw8bit import PagedAdamW8bit
-    from tightfit.optim.lion import PagedLion, PagedLion8bit
-    from tightfit.optim.sgd import PagedSGD
-
     # budgets under each layout's state for an 80x64 param (adamw 40 KiB, adamw8bit 10.2 KiB,
     # lion8bit 5.1 KiB of state): pages stream through every step
     return {"adamw": (PagedAdamW, {}), "lion": (PagedLion, {}),
@@ -163,8 +164,6 @@ def test_paged_optimizers_page_dtensor_params_like_plain_ones(
 
 def test_8bit_layout_follows_the_global_size_of_a_dtensor_param(mesh) -> None:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from tightfit.optim.adamw8bit import PagedAdamW8bit
 
     small = torch.nn.Parameter(distribute_tensor(torch.randn(10, 32), mesh, [Shard(0)]))
     # a shard of 2560 elements of a 10240-element param (as rank 0 of 4 would hold): the

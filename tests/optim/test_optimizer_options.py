@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from tightfit.optim import registry
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.optimizer_options import KINDS, RECIPE_LR, OptimizerOptions
-from tightfit.optim.registry import _PAGED, optimizer_for
+from tightfit.optim.registry import optimizer_for
 from tightfit.optim.sgd import PagedSGD
 from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES, PagingOptions
 
@@ -47,7 +48,7 @@ def test_the_options_and_their_defaults_are_one_list() -> None:
         "page_bytes", "device_budget", "host_budget", "spill_dir"]  # fmt: skip
     assert PagingOptions().page_bytes == DEFAULT_PAGE_BYTES == 8 << 20
     assert OptimizerOptions().paging == PagingOptions()  # page_bytes None: the pager's default
-    assert [*_PAGED, "adamw"] == list(KINDS)
+    assert [*registry.CLASSES, "adamw"] == list(KINDS)
 
 
 def test_the_learning_rate_defaults() -> None:

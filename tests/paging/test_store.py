@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
 from tightfit.integrity.owners import OWNER_FILE
+from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim.adamw import PagedAdamW
 from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
@@ -129,8 +131,6 @@ def test_default_spill_folder_is_temporary_and_removed() -> None:
     folder = opt.memory_stats()["spill_dir"]
     assert os.path.isdir(folder)
     del opt  # no close(): the finalizer still frees the pages and deletes the files
-    import gc
-
     gc.collect()
     assert not os.path.exists(folder)
 
@@ -171,8 +171,6 @@ def test_clean_pages_leave_the_device_without_a_write(monkeypatch) -> None:
 def test_measured_allocations_stay_within_the_budget() -> None:
     """Live tensor bytes counted by MemoryTracker: the budget and the step counters, nothing
     else — no hidden temporaries (the spill-file mapping is the disk tier, not counted)."""
-    from tightfit.measure.tracker import MemoryTracker
-
     params = [torch.randn(200_000), torch.randn(50_000)]
     for p in params:
         p.grad = torch.randn_like(p)

@@ -14,7 +14,11 @@ from torch import nn
 
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.optim.adamw import PagedAdamW
+from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
+from tightfit.optim.lion import PagedLion, PagedLion8bit
+from tightfit.optim.sgd import PagedSGD
 from tightfit.pressure.occupancy import OccupancyControl
+from tightfit.pressure.probes import CudaProbe, RSSProbe
 from tightfit.pressure.watch import PressureWatch
 
 from .fakes import FakeProbe
@@ -146,8 +150,6 @@ def test_first_step_places_only_what_fits_under_the_target() -> None:
 def test_eviction_on_the_cpu_really_leaves_rss() -> None:
     # Pages written to the MAP_SHARED spill file stay in RSS until unmapped, and freed 4 MiB
     # buffers can stay in glibc's heap: the control releases both, so an RSS probe sees it.
-    from tightfit.pressure.probes import RSSProbe
-
     ps = [nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]  # 32 MiB of AdamW state
     probe = RSSProbe(capacity_bytes=64 << 30)
     opt = PagedAdamW(ps, page_bytes=4 << 20, target=32 << 30, probe=probe)
@@ -177,8 +179,6 @@ def test_target_errors_name_the_fix() -> None:
 
 @pytest.mark.cuda
 def test_cuda_spikes_drain_pages_to_host_and_training_matches_torch() -> None:
-    from tightfit.pressure.probes import CudaProbe
-
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
     batches = [torch.randn(1, 4096 if i % 3 == 2 else 8, D, generator=gen) for i in range(6)]
@@ -219,10 +219,6 @@ def test_cuda_spikes_drain_pages_to_host_and_training_matches_torch() -> None:
 
 
 def _all_paged_optimizers() -> list:
-    from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
-    from tightfit.optim.lion import PagedLion, PagedLion8bit
-    from tightfit.optim.sgd import PagedSGD
-
     return [
         (PagedAdamW, {}), (PagedAdamW8bit, {}), (PagedAdam8bit, {}), (PagedLion, {}),
         (PagedLion8bit, {}), (PagedSGD, {"lr": 0.1, "momentum": 0.9}),

@@ -15,6 +15,7 @@ import torch
 
 try:  # torch >= 2.4; the import only fails on builds without torch.distributed
     from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # pragma: no cover - exercised only on such builds
     DTensor = None  # type: ignore[assignment,misc]
     Partial = None  # type: ignore[assignment,misc]
@@ -96,8 +97,6 @@ def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     # A state dict gathered to host RAM must stay there: from_local would copy it to the mesh's
     # device (all of a rank's optimizer state on the GPU at once). Build the DTensor on the
     # host-side local tensor as FSDP2's CPU offload does; DCP saves and loads such DTensors.
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     spec = DTensorSpec(
         param.device_mesh,
         tuple(param.placements),

@@ -12,6 +12,11 @@ from typing import Any, Literal
 
 import torch
 
+try:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as _fused_devices
+except ImportError:  # pragma: no cover - older torch
+    _fused_devices = None
+
 Impl = Literal["fused", "foreach", "forloop"]
 
 
@@ -97,11 +102,9 @@ def check_graph_flags(group: dict[str, Any], torch_class: str, fused_kernel: boo
 
 def fused_supported(device: torch.device) -> bool:
     """Whether torch's fused optimizer kernels run on ``device``'s type."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # pragma: no cover - older torch
+    if _fused_devices is None:  # pragma: no cover - older torch
         return device.type == "cuda"
-    return device.type in _get_fused_kernels_supported_devices()
+    return device.type in _fused_devices()
 
 
 def implementation(group: dict[str, Any], device: torch.device) -> Impl:

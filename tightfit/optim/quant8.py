@@ -31,6 +31,8 @@ Backend = Literal["auto", "bitsandbytes", "torch"]
 
 
 # ---------------------------------------------------------------------------- maps
+# bitsandbytes is imported on first use, here and below: it loads its native libraries (CUDA
+# ones where there is a GPU) when imported, which fp32 optimizers and ``import tightfit`` skip.
 @functools.cache
 def _map_cpu(signed: bool) -> torch.Tensor:
     from bitsandbytes.functional import create_dynamic_map

@@ -19,7 +19,7 @@ from tightfit.pressure.probes import Probe
 from tightfit.pressure.target import default_target
 
 # kind -> paged class ("adamw" is torch's AdamW, the unpaged reference)
-_PAGED: dict[str, type[PagedOptimizer]] = {
+CLASSES: dict[str, type[PagedOptimizer]] = {
     "paged_adamw": PagedAdamW,
     "paged_adam": PagedAdam,
     "paged_adamw8bit": PagedAdamW8bit,
@@ -90,7 +90,7 @@ def optimizer_for(
     if opts.kind.startswith("paged_adam"):
         hyper["eps"] = opts.eps
     target, probe = _pressure(opts.target, opts.probe, params[0].device)
-    opt = _PAGED[opts.kind](
+    opt = CLASSES[opts.kind](
         params, **hyper, paging=opts.paging, target=target, probe=probe, **opts.extra
     )
     if opts.watch and target is not None:

@@ -24,6 +24,7 @@ import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import psutil
 import torch
 
 from tightfit.pressure.cgroup import MemoryCgroup, limiting_cgroup, stat_value
@@ -187,8 +188,6 @@ class RSSProbe(Probe):
         self._proc = None
         self._last_hwm = self.process_peak_bytes()
         if self._statm is None:
-            import psutil
-
             self._proc = psutil.Process()
 
     def capacity_bytes(self) -> int | None:

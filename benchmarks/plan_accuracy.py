@@ -71,7 +71,7 @@ HELD_OUT = (
 )
 # the QLoRA paper's recipe (bf16 compute and adapters, paged 32-bit AdamW) and an fp32 one
 FAMILY_SETUPS = (
-    dict(compute_dtype="bfloat16", quant="nf4", adapter_dtype="bfloat16",
+    dict(compute_dtype="bfloat16", quant="nf4", lora_dtype="bfloat16",
          optimizer="paged_adamw", loss_chunk_tokens=32),
     dict(compute_dtype="float32", quant="nf4"),
 )
@@ -88,7 +88,7 @@ CASES = [
                optimizer="paged_adamw8bit")),
     (MHA, dict(compute_dtype="bfloat16", quant="nf4", loss_chunk_tokens=16)),
     (GQA, dict(compute_dtype="bfloat16", quant="nf4", lora_dropout=0.1)),
-    (GQA, dict(compute_dtype="bfloat16", quant="nf4", lora_targets=("q_proj", "v_proj"))),
+    (GQA, dict(compute_dtype="bfloat16", quant="nf4", lora_target_modules=("q_proj", "v_proj"))),
     (GQA, dict(compute_dtype="float32", quant="int8")),
 ]
 
@@ -102,9 +102,10 @@ LONG_CASES = [
     (GQA5, dict(seq_len=192, checkpoint="every", **_BF16_NF4)),
     (GQA5, dict(seq_len=192, checkpoint="every", offload="inputs", **_BF16_NF4)),
     (GQA5, dict(seq_len=192, checkpoint="every", offload="inputs", mlp_tile=48, **_BF16_NF4)),
-    (GQA5, dict(seq_len=96, batch=2, checkpoint="every", offload="inputs", mlp_tile=32, **_FP32)),
+    (GQA5, dict(seq_len=96, batch_size=2, checkpoint="every", offload="inputs", mlp_tile=32,
+                **_FP32)),
     (GQA5, dict(seq_len=128, offload="all", **_FP32)),
-    (MHA48, dict(seq_len=160, batch=2, checkpoint="sqrt", offload="inputs", mlp_tile=100,
+    (MHA48, dict(seq_len=160, batch_size=2, checkpoint="sqrt", offload="inputs", mlp_tile=100,
                  compute_dtype="bfloat16", quant="none", loss_chunk_tokens=80)),
     (MHA48, dict(seq_len=128, offload="all", **_BF16_NF4)),
 ]
@@ -166,7 +167,7 @@ def _families(quick: bool) -> tuple[list[str], float]:
     worst_total = 0.0
     for shape in HELD_OUT[:2] if quick else HELD_OUT:
         for kw in FAMILY_SETUPS:
-            setup = TrainSetup(seq_len=48, batch=2, lora_r=8, **kw)
+            setup = TrainSetup(seq_len=48, batch_size=2, lora_r=8, **kw)
             label = ", ".join(f"{k}={v}" for k, v in kw.items())
             res = compare(shape, setup, ("none", "every"))
             rows = [(p, a, b) for p, a, b in res["none"]]
@@ -216,7 +217,7 @@ def main() -> None:
         "|---|---|---|---|---:|---:|---:|",
     ]
     for shape, kw in [] if args.families else CASES[:1] if args.quick else CASES:
-        setup = TrainSetup(seq_len=32, batch=2, lora_r=8, **kw)
+        setup = TrainSetup(seq_len=32, batch_size=2, lora_r=8, **kw)
         none = sum(plan_peak(shape, setup, structural_segments("none", None, shape.layers)))
         every = sum(plan_peak(shape, setup, structural_segments("every", None, shape.layers)))
         setup = setup.with_(checkpoint_budget=(none + every) // 2)

@@ -66,7 +66,7 @@ def test_8bit_optimizer_state_matches_bitsandbytes() -> None:
 
 def test_budget_plan_between_none_and_every() -> None:
     shape = SHAPES[1]
-    setup = TrainSetup(seq_len=32, batch=2, compute_dtype="float32", lora_r=8)
+    setup = TrainSetup(seq_len=32, batch_size=2, compute_dtype="float32", lora_r=8)
     none = sum(plan_peak(shape, setup, structural_segments("none", None, shape.layers)))
     every = sum(plan_peak(shape, setup, structural_segments("every", None, shape.layers)))
     budget = (none + every) // 2
@@ -89,7 +89,7 @@ def test_budget_plan_between_none_and_every() -> None:
 )
 def test_every_piece_within_10_percent(shape: ModelShape, dtype: str, quant: str, dq: bool,
                                        chunk: int | None, optimizer: str) -> None:
-    setup = TrainSetup(seq_len=32, batch=2, compute_dtype=dtype, quant=quant, double_quant=dq,
+    setup = TrainSetup(seq_len=32, batch_size=2, compute_dtype=dtype, quant=quant, double_quant=dq,
                        lora_r=8, loss_chunk_tokens=chunk, optimizer=optimizer)
     acts = _check_every_piece(shape, setup)
     # the plans really differ: checkpointing lowers the measured activation peak
@@ -120,19 +120,19 @@ def _check_every_piece(shape: ModelShape, setup: TrainSetup) -> dict[str, int]:
 HELD_OUT = [
     (ModelShape("h160-L5-gqa5", hidden=160, intermediate=432, layers=5, heads=5, kv_heads=1,
                 vocab=3000),
-     TrainSetup(seq_len=48, batch=1, compute_dtype="bfloat16", quant="nf4", double_quant=True,
+     TrainSetup(seq_len=48, batch_size=1, compute_dtype="bfloat16", quant="nf4", double_quant=True,
                 lora_r=4, optimizer="paged_adamw")),
     (ModelShape("h256-L2-gqa4", hidden=256, intermediate=688, layers=2, heads=8, kv_heads=2,
                 vocab=777),
-     TrainSetup(seq_len=80, batch=3, compute_dtype="float32", quant="none", lora_r=16,
+     TrainSetup(seq_len=80, batch_size=3, compute_dtype="float32", quant="none", lora_r=16,
                 optimizer="paged_adamw8bit", loss_chunk_tokens=40)),
     (ModelShape("h64-L6-mha-hd48-tied", hidden=64, intermediate=224, layers=6, heads=2,
                 kv_heads=2, vocab=4096, head_dim=48, tie_embeddings=True),
-     TrainSetup(seq_len=24, batch=2, compute_dtype="bfloat16", quant="nf4", double_quant=False,
+     TrainSetup(seq_len=24, batch_size=2, compute_dtype="bfloat16", quant="nf4", double_quant=False,
                 lora_r=8, optimizer="paged_adamw8bit", loss_chunk_tokens=16)),
     (ModelShape("h96-L3-gqa2-hd16", hidden=96, intermediate=320, layers=3, heads=6, kv_heads=3,
                 vocab=8000),
-     TrainSetup(seq_len=128, batch=1, compute_dtype="bfloat16", quant="nf4", double_quant=True,
+     TrainSetup(seq_len=128, batch_size=1, compute_dtype="bfloat16", quant="nf4", double_quant=True,
                 lora_r=8, optimizer="adamw", loss_chunk_tokens=64)),
 ]
 

@@ -8,8 +8,8 @@ import torch
 
 from tightfit.planner.configs import hf_config, shape_from_config
 from tightfit.planner.presets import PRESETS
-from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.shapes import FAMILIES, SLIDING, ModelShape
+from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.verify import compare, relative_error
 
 # One small preset per family (built on the meta device: no memory, no download).
@@ -126,7 +126,7 @@ def test_bad_family_configs_name_the_fix() -> None:
     with pytest.raises(ValueError, match="a phi3 layer .* has no such projection.*qkv_proj"):
         from tightfit.planner.estimate import estimate
 
-        estimate(SMALL["phi3"], TrainSetup(seq_len=16, lora_targets=("q_proj",)))
+        estimate(SMALL["phi3"], TrainSetup(seq_len=16, lora_target_modules=("q_proj",)))
 
 
 def test_moe_counts_every_expert_once_in_storage_and_top_k_in_compute() -> None:
@@ -162,7 +162,7 @@ def test_gemma2_softcaps_cost_what_they_keep() -> None:
     scores = [attention_saved_bytes(g2, setup.with_(seq_len=n), 1)
               - attention_saved_bytes(plain, setup.with_(seq_len=n), 1) for n in (64, 128)]
     # the B·H·S² matrices (fp32: the capped scores and the softmax, 8 bytes a value)
-    assert scores[1] - 2 * scores[0] == setup.batch * g2.heads * (128**2 - 2 * 64**2) * 8
+    assert scores[1] - 2 * scores[0] == setup.batch_size * g2.heads * (128**2 - 2 * 64**2) * 8
 
 
 @pytest.mark.slow
@@ -177,7 +177,7 @@ def test_family_memory_model_against_a_measured_step(family: str) -> None:
     expert, Mixtral +0.4 %, Qwen3-MoE +0.8 %, were +26.5 % / +15.7 % before that moment was
     counted; docs/plan.md, "Families")."""
     shape = SMALL[family]
-    setup = TrainSetup(seq_len=32, batch=2, lora_r=8, adapter_dtype="bfloat16",
+    setup = TrainSetup(seq_len=32, batch_size=2, lora_r=8, lora_dtype="bfloat16",
                        optimizer="paged_adamw", loss_chunk_tokens=16)
     res = compare(shape, setup, ("none", "every"))
     for piece, predicted, measured in res["none"]:
@@ -197,8 +197,8 @@ def test_moe_recomputed_expert_moments() -> None:
     adapter gradient slices, which win with many experts and few tokens."""
     from tightfit.planner.moe import _pair_bytes, expert_moments
 
-    setup = TrainSetup(seq_len=32, batch=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
-                       adapter_dtype="bfloat16")
+    setup = TrainSetup(seq_len=32, batch_size=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
+                       lora_dtype="bfloat16")
     mix = SMALL["mixtral"]
     t, h, i, d, r, e = setup.tokens, mix.hidden, mix.intermediate, setup.d, setup.lora_r, mix.experts
     share = t * _pair_bytes(mix, setup)
@@ -213,14 +213,14 @@ def test_moe_recomputed_expert_moments() -> None:
 
 _WIDE = ModelShape("q3m-E16", 128, 96, 2, 4, 2, 500, family="qwen3_moe", head_dim=32,
                    experts=16, experts_per_token=2)
-_FEW = dict(seq_len=16, batch=1, loss_chunk_tokens=16)
+_FEW = dict(seq_len=16, batch_size=1, loss_chunk_tokens=16)
 
 
 @pytest.mark.slow
 def test_moe_backward_moment_against_a_measured_step() -> None:
     """16 experts, 16 tokens: the last expert's backward (the adapters' gradient slices)
     is the recomputed layer's peak; within 10 % of the measured step, never 2 % under."""
-    few = TrainSetup(lora_r=8, compute_dtype="bfloat16", quant="nf4", adapter_dtype="bfloat16",
+    few = TrainSetup(lora_r=8, compute_dtype="bfloat16", quant="nf4", lora_dtype="bfloat16",
                      **_FEW)
     (_, predicted, measured), = [r for r in compare(_WIDE, few, ("every",))["every"]
                                  if r[0] == "activations"]
@@ -238,8 +238,8 @@ def test_recomputed_layer_backward_moments() -> None:
         mlp_saved_bytes,
     )
 
-    setup = TrainSetup(seq_len=32, batch=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
-                       adapter_dtype="bfloat16")
+    setup = TrainSetup(seq_len=32, batch_size=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
+                       lora_dtype="bfloat16")
     t, d, r = setup.tokens, setup.d, setup.lora_r
     llama = SMALL["llama"]
     h, i = llama.hidden, llama.intermediate
@@ -263,8 +263,8 @@ def test_fp32_adapters_in_bf16_recompute_moment() -> None:
     them), and the down adapter's output gradient cast and scaled (T·h·(d + a))."""
     from tightfit.planner.activations import layer_backward_bytes, layer_saved_bytes
 
-    setup = TrainSetup(seq_len=32, batch=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
-                       adapter_dtype="float32")
+    setup = TrainSetup(seq_len=32, batch_size=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
+                       lora_dtype="float32")
     mistral = _MISTRAL  # narrow enough that this moment is the layer's peak
     t, h, i, d, a = setup.tokens, mistral.hidden, mistral.intermediate, setup.d, setup.a
     last = t * h * (2 * d + 2 * a) + t * h * d + t * i * d + t * h * (d + a)
@@ -285,7 +285,7 @@ def test_fp32_adapters_in_bf16_every_against_a_measured_step(shape: ModelShape) 
     """Every layer recomputed, peft's fp32 adapters on a bf16 NF4 base: within 10 %, never
     2 % under (measured: Phi-3 +6.6 %, Mistral −0.0 %; the calibrated transients gave
     +12.9 % / +5.2 %)."""
-    setup = TrainSetup(seq_len=48, batch=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
+    setup = TrainSetup(seq_len=48, batch_size=2, lora_r=8, compute_dtype="bfloat16", quant="nf4",
                        loss_chunk_tokens=32)
     (_, predicted, measured), = [r for r in compare(shape, setup, ("every",))["every"]
                                  if r[0] == "activations"]

@@ -129,8 +129,8 @@ def test_train_setup_rejects_nonsense() -> None:
         TrainSetup(quant="nf3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="checkpoint policy"):
         TrainSetup(checkpoint="half")
-    with pytest.raises(ValueError, match="lora_targets"):
-        TrainSetup(lora_targets=("c_attn",))
+    with pytest.raises(ValueError, match="lora_target_modules"):
+        TrainSetup(lora_target_modules=("c_attn",))
 
 
 @pytest.mark.slow
@@ -159,11 +159,12 @@ def test_train_args_parse_as_tightfit_train_options() -> None:
         args = build_parser().parse_args(["train", *row.train_args])
         cfg = config_from_args(args)
         s = row.setup
-        assert (cfg.train.seq_len, cfg.train.batch_size, cfg.lora.r) == (s.seq_len, s.batch, s.lora_r)
+        assert (cfg.train.seq_len, cfg.train.batch_size, cfg.lora.r) == (
+            s.seq_len, s.batch_size, s.lora_r)
         assert cfg.prepare.quant == ("nf4" if s.quant == "nf4" else None)
         assert (cfg.prepare.checkpoint or "none") == s.checkpoint
         assert cfg.prepare.checkpoint_budget == (s.checkpoint_budget if s.checkpoint == "budget"
                                                  else None)
         assert cfg.prepare.loss_chunks == s.loss_chunk_tokens
         assert cfg.optimizer.kind == s.optimizer
-        assert (cfg.lora.dtype, cfg.lora.dropout) == (s.adapter_dtype, s.lora_dropout)
+        assert (cfg.lora.dtype, cfg.lora.dropout) == (s.lora_dtype, s.lora_dropout)

@@ -17,13 +17,13 @@ from tightfit.planner.ladder import Sizing, evaluate, ladder, plan, sized
 from tightfit.planner.max_length import search
 from tightfit.planner.peak import offloaded_bytes, plan_peak
 from tightfit.planner.presets import PRESETS, ModelShape
-from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.speed import slowdown
+from tightfit.planner.train_setup import TrainSetup
 
 # h8 i16, 3 layers, 2 heads of 4 (q = 8), 1 kv head (kv = 4), vocabulary 32
 TINY = ModelShape("tiny", hidden=8, intermediate=16, layers=3, heads=2, kv_heads=1, vocab=32)
 # fp32 everywhere (d = a = 4), 4 tokens, LoRA r=2 on all seven linears, no quantization
-FP32 = TrainSetup(seq_len=4, batch=1, compute_dtype="float32", quant="none", lora_r=2)
+FP32 = TrainSetup(seq_len=4, batch_size=1, compute_dtype="float32", quant="none", lora_r=2)
 SMALL = ModelShape("small", hidden=128, intermediate=352, layers=6, heads=4, kv_heads=2,
                    vocab=1000, max_positions=1 << 20)
 NO_MARGIN = Overhead(0, 0.0)
@@ -94,7 +94,7 @@ MONOTONE_SETUPS = [
 
 @pytest.mark.parametrize("setup", MONOTONE_SETUPS, ids=range(len(MONOTONE_SETUPS)))
 def test_more_tokens_never_fewer_bytes(setup: TrainSetup) -> None:
-    for what in ("seq_len", "batch"):
+    for what in ("seq_len", "batch_size"):
         last = None
         for n in (1, 2, 3, 7, 16, 63, 64, 65, 200, 511, 512, 513, 1000, 4097):
             e = estimate(SMALL, setup.with_(**{what: n}), NO_MARGIN)
@@ -158,7 +158,7 @@ def test_max_batch() -> None:
     sizing = _sizing(48 * 2**20)
     for rung, row in zip(ladder(TrainSetup()), report.rows):
         if row.maximum:
-            assert row.fits and row.setup.batch == row.maximum and row.setup.seq_len == 256
+            assert row.fits and row.setup.batch_size == row.maximum and row.setup.seq_len == 256
             over = evaluate(rung, sizing, sized(rung, sizing, 256, row.maximum + 1, monotone=True))
             assert not over.fits
     assert "batch" in str(report).splitlines()[4]

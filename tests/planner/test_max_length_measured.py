@@ -25,10 +25,10 @@ FP32 = dict(compute_dtype="float32", quant="none", lora_r=8, loss_chunk_tokens=6
 
 # (every-layer + offload, ± tiled MLP, on GQA5 in bf16 NF4: the last test)
 CASES = [
-    (GQA5, TrainSetup(seq_len=96, batch=2, checkpoint="every", offload="inputs", mlp_tile=32,
+    (GQA5, TrainSetup(seq_len=96, batch_size=2, checkpoint="every", offload="inputs", mlp_tile=32,
                       **FP32)),
     (GQA5, TrainSetup(seq_len=128, offload="all", **FP32)),
-    (MHA48, TrainSetup(seq_len=160, batch=2, checkpoint="sqrt", offload="inputs", mlp_tile=100,
+    (MHA48, TrainSetup(seq_len=160, batch_size=2, checkpoint="sqrt", offload="inputs", mlp_tile=100,
                        **dict(BF16_NF4, quant="none", loss_chunk_tokens=80))),
     (MHA48, TrainSetup(seq_len=128, offload="all", **BF16_NF4)),
 ]

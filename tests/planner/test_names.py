@@ -10,12 +10,13 @@ import pytest
 
 from tightfit.checkpoint.plan import Segment, structural_segments
 from tightfit.optim.optimizer_options import OptimizerKind
+from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Overhead, estimate
 from tightfit.planner.ladder import plan
 from tightfit.planner.peak import activation_peak, plan_peak
 from tightfit.planner.presets import PRESETS, ModelShape
-from tightfit.planner.train_setup import PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.planner.train_args import train_args
+from tightfit.planner.train_setup import PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.qlora.prepare_options import PrepareOptions
 
 SMALL = ModelShape("small", hidden=128, intermediate=352, layers=5, heads=4, kv_heads=2,
@@ -23,9 +24,9 @@ SMALL = ModelShape("small", hidden=128, intermediate=352, layers=5, heads=4, kv_
 
 
 def test_short_dtype_names_mean_the_canonical_ones() -> None:
-    short = TrainSetup(compute_dtype="bf16", adapter_dtype="fp32")
-    assert short == TrainSetup(compute_dtype="bfloat16", adapter_dtype="float32") == TrainSetup()
-    assert (short.compute_dtype, short.adapter_dtype) == ("bfloat16", "float32")
+    short = TrainSetup(compute_dtype="bf16", lora_dtype="fp32")
+    assert short == TrainSetup(compute_dtype="bfloat16", lora_dtype="float32") == TrainSetup()
+    assert (short.compute_dtype, short.lora_dtype) == ("bfloat16", "float32")
     assert TrainSetup(compute_dtype="fp16").compute_dtype == "float16"
     # the same spelling rules in prepare()'s options (one table, tightfit.measure.dtypes)
     assert PrepareOptions(compute_dtype="bf16").compute_dtype == "bfloat16"
@@ -38,8 +39,8 @@ def test_unknown_dtype_names_the_accepted_ones() -> None:
     with pytest.raises(ValueError, match="compute_dtype must be one of float32, bfloat16, "
                                          "float16 .*fp32, bf16, fp16.*'int4'"):
         TrainSetup(compute_dtype="int4")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="adapter_dtype must be one of"):
-        TrainSetup(adapter_dtype="float64")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        TrainSetup(lora_dtype="float64")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="compute_dtype .*'auto'.* must be one of"):
         PrepareOptions(compute_dtype="fp8")  # type: ignore[arg-type]
 
@@ -58,12 +59,13 @@ def test_train_accepts_every_planned_optimizer(optimizer: str) -> None:
     from tightfit.cli import build_parser
     from tightfit.train.train_command import config_from_args
 
+    budget = 2 * DEFAULT_PAGE_BYTES  # whole pages, as the ladder sizes it (one is the least)
     setup = TrainSetup(compute_dtype="fp16", optimizer=optimizer,  # type: ignore[arg-type]
-                       optimizer_device_budget=1 << 20)
+                       optimizer_device_budget=budget)
     cfg = config_from_args(build_parser().parse_args(["train", *train_args(setup)]))
     assert cfg.optimizer.kind == optimizer
     assert cfg.prepare.compute_dtype == "float16"
-    assert cfg.optimizer.device_budget == (1 << 20 if setup.paged else None)
+    assert cfg.optimizer.device_budget == (budget if setup.paged else None)
 
 
 def test_selective_is_refused() -> None:
@@ -82,7 +84,7 @@ def test_structural_plans_are_checkpoints_own(policy: str) -> None:
 
 
 def test_budget_plan_and_its_json() -> None:
-    setup = TrainSetup(seq_len=64, batch=2, compute_dtype="float32", lora_r=8)
+    setup = TrainSetup(seq_len=64, batch_size=2, compute_dtype="float32", lora_r=8)
     none = sum(plan_peak(SMALL, setup, structural_segments("none", None, SMALL.layers)))
     every = sum(plan_peak(SMALL, setup, structural_segments("every", None, SMALL.layers)))
     est = estimate(SMALL, setup.with_(checkpoint="budget", checkpoint_budget=(none + every) // 2),

@@ -4,7 +4,6 @@ the safety margin and its "tight" rows, the exit code, and train's option names 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -23,7 +22,7 @@ PAPER = dict(seq_len=512, lora_r=64, lora_dropout=0.05, lora_dtype="bfloat16")
 def test_adapter_and_state_dtypes() -> None:
     shape = PRESETS["llama-2-7b"]
     fp32 = TrainSetup(seq_len=512)
-    bf16 = fp32.with_(adapter_dtype="bf16")
+    bf16 = fp32.with_(lora_dtype="bf16")
     paged = bf16.with_(optimizer="paged_adamw")
     n, tensors = lora_param_count(shape, fp32)
     assert estimate(shape, bf16).lora * 2 == estimate(shape, fp32).lora == 4 * n
@@ -31,11 +30,11 @@ def test_adapter_and_state_dtypes() -> None:
     assert optimizer_state_bytes(shape, bf16) == 2 * 2 * n + 4 * tensors
     assert optimizer_state_bytes(shape, paged) == 2 * 4 * n + 4 * tensors
     assert (bf16.state_dtype, paged.state_dtype) == ("bfloat16", "float32")
-    assert TrainSetup(adapter_dtype="bf16", optimizer="paged_adamw",
+    assert TrainSetup(lora_dtype="bf16", optimizer="paged_adamw",
                       optimizer_state_dtype="fp32").optimizer_state_dtype == "float32"
     with pytest.raises(ValueError, match="keeps its state in the adapters' dtype .*"
                                          "choose optimizer='paged_adamw'"):
-        TrainSetup(adapter_dtype="bf16", optimizer="adamw", optimizer_state_dtype="float32")
+        TrainSetup(lora_dtype="bf16", optimizer="adamw", optimizer_state_dtype="float32")
     with pytest.raises(ValueError, match="'paged_adamw8bit' keeps 8-bit state"):
         TrainSetup(optimizer="paged_adamw8bit", optimizer_state_dtype="float32")
 
@@ -44,7 +43,7 @@ def test_qlora_paper_recipe_fits_65b_in_48gb() -> None:
     report = plan("llama-65b", "48GB", **PAPER)
     row = next(r for r in report.rows if r.name == "QLoRA + ckpt every + paged AdamW 32-bit")
     s = row.setup
-    assert (s.quant, s.double_quant, s.adapter_dtype, s.optimizer, s.checkpoint) == (
+    assert (s.quant, s.double_quant, s.lora_dtype, s.optimizer, s.checkpoint) == (
         "nf4", True, "bfloat16", "paged_adamw", "every")
     assert row.fits and row.estimate.total <= report.gpu_bytes - report.margin_bytes
     assert report.recommended is not None
@@ -83,22 +82,23 @@ def test_nothing_fits_exits_1_with_the_smallest_total(capsys: pytest.CaptureFixt
     assert json.loads(capsys.readouterr().out)["recommended"] is None
 
 
-def test_plan_speaks_train_names_and_old_ones_warn(caplog: pytest.LogCaptureFixture) -> None:
+def test_plan_speaks_train_names_only(capsys: pytest.CaptureFixture[str]) -> None:
     new = ["plan", "--model", "qwen3-8b", "--batch-size", "2", "--compute-dtype", "bf16",
            "--lora-target-modules", "q_proj,v_proj"]
-    old = ["plan", "--model", "qwen3-8b", "--batch", "2", "--dtype", "bfloat16",
-           "--lora-targets", "q_proj,v_proj"]
-    with caplog.at_level(logging.WARNING, logger="tightfit"):
-        a, b = build_parser("plan").parse_args(new), build_parser("plan").parse_args(old)
+    a = build_parser("plan").parse_args(new)
     assert (a.batch_size, a.compute_dtype, a.lora_target_modules) == (2, "bf16", "q_proj,v_proj")
-    assert (b.batch_size, b.compute_dtype, b.lora_target_modules) == (2, "bfloat16",
-                                                                     "q_proj,v_proj")
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 3 and all("deprecated" in w for w in warned)
-    assert any("--batch is deprecated, use --batch-size" in w for w in warned)
-    with pytest.warns(DeprecationWarning, match="plan\\(batch=...\\) is deprecated"):
-        old_api = plan("qwen3-8b", "24GiB", batch=2)
-    assert old_api.to_dict() == plan("qwen3-8b", "24GiB", batch_size=2).to_dict()
+    # plan's former spellings are gone (nothing was released with them)
+    for old in (["--lora-targets", "q_proj"], ["--dtype", "bfloat16"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser("plan").parse_args(["plan", "--model", "qwen3-8b", *old])
+        assert exit_.value.code == 2
+        assert f"unrecognized arguments: {old[0]}" in capsys.readouterr().err
+    for old_kw in ("batch", "lora_targets"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old_kw}'"):
+            plan("qwen3-8b", "24GiB", **{old_kw: 2})
+    for old_field in ("batch", "lora_targets", "adapter_dtype"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old_field}'"):
+            TrainSetup(**{old_field: 2})  # type: ignore[arg-type]
 
 
 def test_one_spelling_of_none_and_of_dtypes_in_train() -> None:

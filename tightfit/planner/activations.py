@@ -342,7 +342,7 @@ def recompute_inputs_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     when some layer is masked (SDPA skips the mask in the others)."""
     s = setup.seq_len
     if shape.eager_attention:
-        masks = shape.attention_kinds * setup.batch * s * s * setup.d
+        masks = shape.attention_kinds * setup.batch_size * s * s * setup.d
     else:
         masks = s * s if any(shape.masked(i, s) for i in range(shape.layers)) else 0
     return rotary_bytes(shape, setup) + masks
@@ -369,8 +369,8 @@ def head_loss_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     from tightfit.measure.dtypes import torch_dtype
 
     return predict_head_loss_bytes(
-        v, setup.seq_len, setup.batch, torch_dtype(setup.compute_dtype), hidden_size=shape.hidden,
-        chunk_tokens=setup.loss_chunk_tokens, softcap=softcap,
+        v, setup.seq_len, setup.batch_size, torch_dtype(setup.compute_dtype),
+        hidden_size=shape.hidden, chunk_tokens=setup.loss_chunk_tokens, softcap=softcap,
     )
 
 

@@ -39,19 +39,19 @@ def sdpa_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
 
 def _lse(shape: ModelShape, setup: TrainSetup) -> int:
-    return setup.batch * shape.heads * setup.seq_len * 4
+    return setup.batch_size * shape.heads * setup.seq_len * 4
 
 
 def scores_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """Eager attention's saved score matrices: B·H·S² × (d + 4 + d below fp32)."""
     d = setup.d
     per = d + 4 + (d if d != 4 else 0)
-    return setup.batch * shape.heads * setup.seq_len**2 * per
+    return setup.batch_size * shape.heads * setup.seq_len**2 * per
 
 
 def mask_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     """The additive mask SDPA converts and keeps in a masked layer (B·S²·d)."""
-    return setup.batch * setup.seq_len**2 * setup.d
+    return setup.batch_size * setup.seq_len**2 * setup.d
 
 
 def _repeat_kv_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -90,7 +90,7 @@ def eager_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     :data:`BWD_SCORES` (0 for SDPA, whose kernels recompute the scores)."""
     if not shape.eager_attention:
         return 0
-    return int(BWD_SCORES * setup.batch * shape.heads * setup.seq_len**2 * 4)
+    return int(BWD_SCORES * setup.batch_size * shape.heads * setup.seq_len**2 * 4)
 
 
 # Fitted on Gemma 2 configs (tests/planner/test_families.py: FITTED), checked held out.

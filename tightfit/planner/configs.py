@@ -10,9 +10,12 @@ transformers builds from the same config. Gemma 3's multimodal configs (``model_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tightfit.planner.shapes import FAMILIES, FULL, SLIDING, ModelShape
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _REQUIRED = (
     "hidden_size",
@@ -35,7 +38,7 @@ _KV_HEADS = {"mistral": 8, "mixtral": 8, "qwen2": 32, "qwen3": 32, "qwen3_moe": 
 _TIED = {"gemma", "gemma2", "gemma3"}
 
 
-def family_of(config: dict, name: str) -> str:
+def family_of(config: dict[str, Any], name: str) -> str:
     """The modelled family of a config's ``model_type`` (``None``: the Llama layer).
 
     Raises:
@@ -52,7 +55,8 @@ def family_of(config: dict, name: str) -> str:
     return family
 
 
-def _sliding(config: dict, family: str, layers: int) -> tuple[int | None, tuple[str, ...]]:
+def _sliding(config: dict[str, Any], family: str,
+             layers: int) -> tuple[int | None, tuple[str, ...]]:
     """``(sliding_window, layer_types)`` as transformers sets them for the family."""
     window = config.get("sliding_window", 4096 if family in ("mistral", "gemma2", "gemma3")
                         else None)
@@ -78,7 +82,7 @@ def _sliding(config: dict, family: str, layers: int) -> tuple[int | None, tuple[
     return int(window), types
 
 
-def _moe(config: dict, family: str, name: str) -> dict[str, Any]:
+def _moe(config: dict[str, Any], family: str, name: str) -> dict[str, Any]:
     """Experts, top-k and the expert width of a MoE config (``{}`` for a dense family)."""
     if family == "mixtral":
         return {"experts": int(config.get("num_local_experts", 8)),
@@ -95,7 +99,7 @@ def _moe(config: dict, family: str, name: str) -> dict[str, Any]:
             "intermediate": int(config.get("moe_intermediate_size", 768))}
 
 
-def shape_from_config(config: dict, name: str = "config") -> ModelShape:
+def shape_from_config(config: dict[str, Any], name: str = "config") -> ModelShape:
     """Read a :class:`ModelShape` from the dict of an HF ``config.json``.
 
     Raises:
@@ -144,7 +148,7 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     )
 
 
-def hf_config(shape: ModelShape) -> Any:
+def hf_config(shape: ModelShape) -> PretrainedConfig:
     """A transformers config of ``shape`` (random-weight models for ``--verify``, tests)."""
     import transformers
 

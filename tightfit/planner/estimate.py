@@ -123,12 +123,12 @@ def adapted_weights(shape: ModelShape, setup: TrainSetup) -> dict[str, tuple[int
         ValueError: A named target the family's layer does not have.
     """
     weights = shape.weight_shapes()
-    if setup.lora_targets != "all-linear":
-        missing = [t for t in setup.lora_targets if t not in weights]
+    if setup.lora_target_modules != "all-linear":
+        missing = [t for t in setup.lora_target_modules if t not in weights]
         if missing:
             raise ValueError(
-                f"lora_targets {tuple(missing)}: a {shape.family} layer of {shape.name} has no "
-                f"such projection; its projections are {', '.join(weights)} (or 'all-linear')."
+                f"lora_target_modules {tuple(missing)}: a {shape.family} layer of {shape.name} "
+                f"has no such projection; its projections are {', '.join(weights)} (or 'all-linear')."
             )
     return {n: w for n, w in weights.items() if setup.adapts(n)}
 

@@ -16,10 +16,9 @@ largest batch that fits (:mod:`tightfit.planner.max_length`).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
@@ -98,7 +97,7 @@ def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = 
 
     dtype = torch_dtype(setup.compute_dtype)
     budget = DEFAULT_MAX_CHUNK_BYTES if monotone else None
-    return _auto(shape.vocab, setup.seq_len, setup.batch, dtype, budget)
+    return _auto(shape.vocab, setup.seq_len, setup.batch_size, dtype, budget)
 
 
 def planned_mlp_tile(shape: ModelShape, setup: TrainSetup) -> int:
@@ -187,7 +186,7 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
     """``rung``'s setup for steps of ``batch`` × ``seq_len``: loss chunk, MLP tile, host
     budget, and the checkpoint / optimizer budgets of the room the device leaves."""
     shape = sizing.shape
-    setup = rung.setup.with_(seq_len=seq_len, batch=batch, host_budget=sizing.host.budget)
+    setup = rung.setup.with_(seq_len=seq_len, batch_size=batch, host_budget=sizing.host.budget)
     if rung.chunked:
         setup = setup.with_(loss_chunk_tokens=auto_chunk_tokens(shape, setup, monotone=monotone))
     if rung.tiled:
@@ -208,7 +207,7 @@ def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:
 
 
 def plan(
-    model: str | Path | ModelShape | dict,
+    model: str | Path | ModelShape | dict[str, Any],
     gpu: str | int = "24GiB",
     *,
     seq_len: int = 2048,
@@ -227,14 +226,11 @@ def plan(
     pinned_fraction: float = PINNED_FRACTION,
     maximize: Maximize | None = None,
     granularity: int = 1,
-    batch: int | None = None,
-    lora_targets: tuple[str, ...] | None = None,
 ) -> PlanReport:
     """Predict whether fine-tuning ``model`` fits on a ``gpu``-sized device, and how.
 
     The option names are ``tightfit train``'s (``batch_size``, ``lora_target_modules``,
-    ``lora_dtype``, ``compute_dtype``); ``batch`` and ``lora_targets`` are their old
-    spellings, accepted with a DeprecationWarning for one release.
+    ``lora_dtype``, ``compute_dtype``), as are :class:`TrainSetup`'s fields.
 
     Args:
         model: A preset name (``"llama-3.1-8b"``, see ``PRESETS``), a path to an HF
@@ -262,8 +258,6 @@ def plan(
             with the margin), capped by the model's position limit; ``"batch"``: at the
             largest batch.
         granularity: The maximum is a multiple of this many tokens (sequences).
-        batch: Deprecated spelling of ``batch_size``.
-        lora_targets: Deprecated spelling of ``lora_target_modules``.
 
     Returns:
         A :class:`PlanReport` (``recommended`` is ``None`` when no row fits with the
@@ -273,15 +267,14 @@ def plan(
         ValueError: Unknown preset, malformed config, nonsense sizes or options, a
             ``seq_len`` beyond the model's ``max_position_embeddings``.
     """
-    batch_size = _renamed("batch", batch, "batch_size", batch_size)
-    targets = _renamed("lora_targets", lora_targets, "lora_target_modules", lora_target_modules)
     shape = load_shape(model)
     sizing = _sizing(shape, gpu, overhead, slack, margin, gpu_tflops, link_gbps, host_ram,
                      pinned_fraction)
     _check_search(shape, maximize, seq_len, batch_size, granularity)
-    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch=batch_size,
-                      lora_r=lora_r, lora_targets=targets, lora_dropout=lora_dropout,
-                      adapter_dtype=lora_dtype, compute_dtype=compute_dtype)
+    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch_size=batch_size,
+                      lora_r=lora_r, lora_target_modules=lora_target_modules,
+                      lora_dropout=lora_dropout,
+                      lora_dtype=lora_dtype, compute_dtype=compute_dtype)
     rows, best = _rows(ladder(base), sizing, maximize, granularity)
     return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
                       _notes(sizing, maximize, granularity), host=sizing.host,
@@ -294,25 +287,16 @@ def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,
     """Every rung's row and the recommended one (``None``: none fits with the margin)."""
     base = rungs[0].setup
     if maximize is not None:
-        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, base.batch, granularity)
-                     for r in rungs)
+        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, base.batch_size,
+                                granularity) for r in rungs)
         fitting = [r for r in rows if r.maximum]
         best = (max(fitting, key=lambda r: (r.maximum, -r.slowdown, -r.estimate.total))
                 if fitting else None)
         return rows, best
-    rows = tuple(evaluate(r, sizing, sized(r, sizing, base.seq_len, base.batch)) for r in rungs)
+    rows = tuple(evaluate(r, sizing, sized(r, sizing, base.seq_len, base.batch_size))
+                 for r in rungs)
     fitting = [r for r in rows if r.fits]
     return rows, (min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None)
-
-
-def _renamed(old: str, old_value: object, new: str, value: object) -> object:
-    """``value``, or the deprecated ``old`` keyword's value with a DeprecationWarning."""
-    if old_value is None:
-        return value
-    warnings.warn(f"plan({old}=...) is deprecated; pass {new}=... (tightfit train's name). "
-                  f"The old spelling goes in the next release.", DeprecationWarning,
-                  stacklevel=3)
-    return old_value
 
 
 def _check_search(shape: ModelShape, maximize: Maximize | None, seq_len: int, batch: int,

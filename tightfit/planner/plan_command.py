@@ -35,14 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
-from typing import Any
 
 from tightfit.measure.dtypes import DTYPE_NAMES, SHORT_NAMES
 from tightfit.planner.shapes import KNOWN_WEIGHTS
-
-logger = logging.getLogger("tightfit.planner")
 
 _VERIFY_MAX_PARAMS = 60_000_000
 
@@ -61,20 +57,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device memory, e.g. 24GiB, 80GB (default: 24GiB)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     dtypes = [*DTYPE_NAMES, *SHORT_NAMES]
-    # tightfit train's names; the old ones of plan still work, with a warning
-    _renamed(parser, "--batch-size", "--batch", type=int, default=1,
-             help="sequences per step (default: 1)")
+    # tightfit train's names and defaults
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="sequences per step (default: 1)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
-    _renamed(parser, "--lora-target-modules", "--lora-targets", default="all-linear",
-             help="comma-separated projection names or all-linear (default: every projection "
-             "of the family, MoE experts included)")
+    parser.add_argument("--lora-target-modules", default="all-linear",
+                        help="comma-separated projection names or all-linear (default: every "
+                        "projection of the family, MoE experts included)")
     parser.add_argument("--lora-dropout", type=float, default=0.0,
                         help="dropout on the adapters' input (default: 0)")
     parser.add_argument("--lora-dtype", default="float32", choices=dtypes,
                         help="dtype of the adapters: float32 (peft's default) or bfloat16 as the "
                         "QLoRA paper's scripts (default: float32)")
-    _renamed(parser, "--compute-dtype", "--dtype", default="bfloat16", choices=dtypes,
-             help="compute dtype; the short forms bf16, fp16, fp32 also work (default: bfloat16)")
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=dtypes,
+                        help="compute dtype; the short forms bf16, fp16, fp32 also work "
+                        "(default: bfloat16)")
     parser.add_argument("--margin", type=float, default=None, metavar="SHARE",
                         help="share of the device a recommended row leaves free; rows inside it "
                         "are 'tight' (default: 0.06, the worst held-out error of a predicted total)")
@@ -94,8 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="part of --host-ram that may be pinned for them (default: 0.5)")
     most = parser.add_mutually_exclusive_group()
     most.add_argument("--max-seq", action="store_true",
-                      help="for each configuration, the longest sequence (at --batch) that fits "
-                      "the GPU and the host, capped by the model's position limit")
+                      help="for each configuration, the longest sequence (at --batch-size) that "
+                      "fits the GPU and the host, capped by the model's position limit")
     most.add_argument("--max-batch", action="store_true",
                       help="for each configuration, the largest batch (at --seq-len) that fits")
     parser.add_argument("--granularity", type=int, default=1,
@@ -105,30 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="small configs only: run one real step of each configuration on "
                         "this machine and print predicted vs measured bytes per piece")
-
-
-class _Deprecated(argparse.Action):
-    """An old flag: stores into the new flag's destination and says so once (stderr)."""
-
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.new = new
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        logger.warning("tightfit plan: %s is deprecated, use %s (tightfit train's name); the "
-                       "old spelling goes in the next release.", option_string, self.new)
-        setattr(namespace, self.dest, values)
-
-
-def _renamed(parser: argparse.ArgumentParser, new: str, old: str, **kwargs: Any) -> None:
-    """``new`` (tightfit train's flag) and ``old`` (plan's former one) into one option."""
-    parser.add_argument(new, **kwargs)
-    kwargs.pop("default", None)
-    kwargs.pop("help", None)
-    dest = new.lstrip("-").replace("-", "_")
-    parser.add_argument(old, dest=dest, action=_Deprecated, new=new, help=argparse.SUPPRESS,
-                        default=argparse.SUPPRESS, **kwargs)
 
 
 def _targets(text: str) -> tuple[str, ...] | str:

@@ -101,7 +101,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 PRESETS: dict[str, ModelShape] = {n: shape_from_config(c, name=n) for n, c in _CONFIGS.items()}
 
 
-def load_shape(model: str | Path | ModelShape | dict) -> ModelShape:
+def load_shape(model: str | Path | ModelShape | dict[str, Any]) -> ModelShape:
     """A model shape from a preset name, a ``config.json`` path (or its folder), or a dict.
 
     Raises:

@@ -11,7 +11,6 @@ from tightfit.measure.sizes import format_bytes
 from tightfit.planner.estimate import Estimate, Overhead
 from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
-from tightfit.planner.train_args import missing_train_options
 from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 
 
@@ -140,14 +139,14 @@ def _header_lines(report: PlanReport) -> list[str]:
     setup = report.rows[0].setup if report.rows else None
     lines = [f"model {s.name}: {s.describe()}"]
     if setup is not None:
-        batch = "the largest batch" if report.maximize == "batch" else f"batch {setup.batch}"
+        batch = "the largest batch" if report.maximize == "batch" else f"batch {setup.batch_size}"
         seq = ("the longest sequence" if report.maximize == "seq"
                else f"{setup.seq_len} tokens")
-        targets = ("all linears" if setup.lora_targets == "all-linear"
-                   else ",".join(setup.lora_targets))
+        targets = ("all linears" if setup.lora_target_modules == "all-linear"
+                   else ",".join(setup.lora_target_modules))
         lines.append(
             f"step: {batch} x {seq}, {setup.compute_dtype} compute, "
-            f"LoRA r={setup.lora_r} on {targets} ({setup.adapter_dtype} adapters)"
+            f"LoRA r={setup.lora_r} on {targets} ({setup.lora_dtype} adapters)"
         )
     unit, _ = _unit(report.gpu_bytes)
     host = ""
@@ -221,10 +220,6 @@ def _answer_lines(report: PlanReport) -> list[str]:
                  f"{format_bytes(r.estimate.total)} predicted, "
                  f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time"]
     lines.append("  tightfit train --model DIR " + " ".join(shlex.quote(a) for a in r.train_args))
-    missing = missing_train_options(r.setup)
-    if missing:
-        lines.append(f"  (tightfit train cannot select {' and '.join(missing)} yet: without "
-                     "them this command does not run the planned configuration)")
     return lines
 
 

@@ -15,16 +15,16 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     """Command-line options of ``tightfit train`` for ``setup`` (model/data not included)."""
     args = [
         "--seq-len", str(setup.seq_len),
-        "--batch-size", str(setup.batch),
+        "--batch-size", str(setup.batch_size),
         "--compute-dtype", setup.compute_dtype,
         "--quant", "nf4" if setup.quant == "nf4" else "none",
     ]
     if setup.quant == "nf4":
         args.append("--double-quant" if setup.double_quant else "--no-double-quant")
     args += ["--lora-r", str(setup.lora_r), "--lora-dropout", f"{setup.lora_dropout:g}",
-             "--lora-dtype", setup.adapter_dtype]
-    if setup.lora_targets != "all-linear":
-        args += ["--lora-target-modules", ",".join(setup.lora_targets)]
+             "--lora-dtype", setup.lora_dtype]
+    if setup.lora_target_modules != "all-linear":
+        args += ["--lora-target-modules", ",".join(setup.lora_target_modules)]
     args += ["--checkpoint", setup.checkpoint]
     if setup.checkpoint == "budget" and setup.checkpoint_budget:
         args += ["--checkpoint-budget", str(setup.checkpoint_budget)]
@@ -37,12 +37,3 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     if setup.paged and setup.optimizer_device_budget is not None:
         args += ["--device-budget", str(setup.optimizer_device_budget)]
     return tuple(args)
-
-
-
-def missing_train_options(setup: TrainSetup) -> tuple[str, ...]:
-    """The pieces of ``setup`` that ``tightfit train`` has no option for: none now that
-    ``--offload`` and ``--mlp-tile`` select activation offload and the tiled MLP (the plan
-    table still asks, so a future planner-only piece is named beside the command)."""
-    del setup
-    return ()

@@ -41,7 +41,7 @@ class TrainSetup:
 
     Attributes:
         seq_len: Tokens per sequence.
-        batch: Sequences per step (micro-batch).
+        batch_size: Sequences per step (micro-batch).
         compute_dtype: Dtype of activations and unquantized weights (``"bfloat16"``,
             ``"float16"``, ``"float32"``; the short forms ``"bf16"`` ... are stored under
             these names).
@@ -50,11 +50,11 @@ class TrainSetup:
         double_quant: NF4 constants quantized again (8-bit absmax + fp32 per 256 blocks).
         blocksize: NF4 block size (values per fp32 absmax).
         lora_r: LoRA rank.
-        lora_targets: ``"all-linear"`` (every projection of the family, MoE experts'
+        lora_target_modules: ``"all-linear"`` (every projection of the family, MoE experts'
             weights included, as ``tightfit train``'s default) or the names of the
             projections of each decoder layer that get adapters.
         lora_dropout: Dropout on the adapter input (> 0 saves a mask and a copy per target).
-        adapter_dtype: Dtype of the adapters and their gradients (``tightfit train
+        lora_dtype: Dtype of the adapters and their gradients (``tightfit train
             --lora-dtype``); peft keeps them in fp32 by default (``autocast_adapter_dtype``),
             which makes each adapter save an fp32 copy of its input when the compute dtype
             is 16-bit; the QLoRA paper's scripts keep them in bf16.
@@ -85,15 +85,15 @@ class TrainSetup:
     """
 
     seq_len: int = 2048
-    batch: int = 1
+    batch_size: int = 1
     compute_dtype: DtypeName = "bfloat16"
     quant: QuantName = "nf4"
     double_quant: bool = True
     blocksize: int = 64
     lora_r: int = 16
-    lora_targets: tuple[str, ...] | Literal["all-linear"] = "all-linear"
+    lora_target_modules: tuple[str, ...] | Literal["all-linear"] = "all-linear"
     lora_dropout: float = 0.0
-    adapter_dtype: DtypeName = "float32"
+    lora_dtype: DtypeName = "float32"
     optimizer_state_dtype: DtypeName | Literal["auto"] = "auto"
     checkpoint: str = "none"
     checkpoint_budget: int | None = None
@@ -106,25 +106,25 @@ class TrainSetup:
     host_budget: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "batch", "lora_r", "blocksize"):
+        for name in ("seq_len", "batch_size", "lora_r", "blocksize"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
-        for name in ("compute_dtype", "adapter_dtype"):
+        for name in ("compute_dtype", "lora_dtype"):
             # a short form ("bf16") is accepted and kept under its canonical name
             object.__setattr__(self, name, dtype_name(getattr(self, name), what=name))
         if self.quant not in ("none", "int8", "nf4"):
             raise ValueError(f"quant must be 'none', 'int8' or 'nf4', got {self.quant!r}.")
         self._check_optimizer()
-        if self.lora_targets != "all-linear":
-            targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else tuple(
-                self.lora_targets)
-            object.__setattr__(self, "lora_targets", targets)
+        targets = self.lora_target_modules
+        if targets != "all-linear":
+            targets = (targets,) if isinstance(targets, str) else tuple(targets)
+            object.__setattr__(self, "lora_target_modules", targets)
             bad = [t for t in targets if t not in KNOWN_WEIGHTS]
             if bad or not targets:
                 raise ValueError(
-                    f"lora_targets {bad or '()'} not understood; pass 'all-linear' or names "
-                    f"from {', '.join(KNOWN_WEIGHTS)}."
+                    f"lora_target_modules {bad or '()'} not understood; pass 'all-linear' or "
+                    f"names from {', '.join(KNOWN_WEIGHTS)}."
                 )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
@@ -149,16 +149,16 @@ class TrainSetup:
             return
         want = dtype_name(self.optimizer_state_dtype, what="optimizer_state_dtype (or 'auto')")
         object.__setattr__(self, "optimizer_state_dtype", want)
-        keeps = {"adamw": self.adapter_dtype, "paged_adamw": "float32"}.get(self.optimizer)
+        keeps = {"adamw": self.lora_dtype, "paged_adamw": "float32"}.get(self.optimizer)
         if want == keeps:
             return
         if self.optimizer == "adamw":
             fix = ("for float32 state with 16-bit adapters choose optimizer='paged_adamw' "
                    "(32-bit state whatever the adapters' dtype, as bitsandbytes' "
                    "paged_adamw_32bit)" if want == "float32" else
-                   f"for {want} state keep the adapters in {want} (adapter_dtype)")
+                   f"for {want} state keep the adapters in {want} (lora_dtype)")
             raise ValueError(f"optimizer 'adamw' (torch.optim.AdamW) keeps its state in the "
-                             f"adapters' dtype ({self.adapter_dtype}), not {want}; {fix}.")
+                             f"adapters' dtype ({self.lora_dtype}), not {want}; {fix}.")
         what = ("8-bit state" if keeps is None else "float32 state")
         raise ValueError(f"optimizer {self.optimizer!r} keeps {what}, not {want}; leave "
                          "optimizer_state_dtype='auto', or choose optimizer='adamw' for state "
@@ -178,11 +178,11 @@ class TrainSetup:
 
     def adapts(self, name: str) -> bool:
         """Whether the projection ``name`` gets adapters."""
-        return self.lora_targets == "all-linear" or name in self.lora_targets
+        return self.lora_target_modules == "all-linear" or name in self.lora_target_modules
 
     @property
     def tokens(self) -> int:
-        return self.seq_len * self.batch
+        return self.seq_len * self.batch_size
 
     @property
     def d(self) -> int:
@@ -192,7 +192,7 @@ class TrainSetup:
     @property
     def a(self) -> int:
         """Bytes per element of the adapters."""
-        return DTYPE_BYTES[self.adapter_dtype]
+        return DTYPE_BYTES[self.lora_dtype]
 
     @property
     def state_bytes(self) -> int:
@@ -205,7 +205,7 @@ class TrainSetup:
         """What the optimizer keeps its moments in: a dtype name, or ``"8-bit"``."""
         if self.optimizer.endswith("8bit"):
             return "8-bit"
-        return "float32" if self.optimizer == "paged_adamw" else self.adapter_dtype
+        return "float32" if self.optimizer == "paged_adamw" else self.lora_dtype
 
     @property
     def mlp_tile_tokens(self) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from tightfit.planner.mechanisms import install_segments, install_tiling, unavai
 from tightfit.planner.peak import activation_peak
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.train_setup import TrainSetup
+from tightfit.qlora.prepare_options import LoraOptions
 
 if TYPE_CHECKING:
     from tightfit.planner.table import PlanReport
@@ -92,11 +93,9 @@ def _worst_case_routing(model: nn.Module) -> None:
             layer.mlp.gate.weight.zero_()
 
 
-def _lora_options(setup: TrainSetup) -> dict[str, Any]:
-    targets = setup.lora_targets
-    return {"r": setup.lora_r, "alpha": 2 * setup.lora_r, "dropout": setup.lora_dropout,
-            "target_modules": targets if targets == "all-linear" else tuple(targets),
-            "dtype": setup.adapter_dtype}
+def _lora_options(setup: TrainSetup) -> LoraOptions:
+    return LoraOptions(r=setup.lora_r, alpha=2 * setup.lora_r, dropout=setup.lora_dropout,
+                       target_modules=setup.lora_target_modules, dtype=setup.lora_dtype)
 
 
 def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
@@ -132,14 +131,14 @@ def _stack_int8(model: nn.Module, setup: TrainSetup) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     _quantize_int8(model)
-    targets = setup.lora_targets
+    targets = setup.lora_target_modules
     lora = LoraConfig(r=setup.lora_r, lora_alpha=2 * setup.lora_r,
                       target_modules=targets if targets == "all-linear" else list(targets),
                       lora_dropout=setup.lora_dropout)
-    model = get_peft_model(model, lora, autocast_adapter_dtype=setup.adapter_dtype == "float32")
+    model = get_peft_model(model, lora, autocast_adapter_dtype=setup.lora_dtype == "float32")
     for n, p in model.named_parameters():
         if "lora_" in n:
-            p.data = p.data.to(torch_dtype(setup.adapter_dtype))
+            p.data = p.data.to(torch_dtype(setup.lora_dtype))
     if setup.loss_chunk_tokens is not None:
         from tightfit.loss import enable_chunked_loss
 
@@ -208,8 +207,9 @@ def measure_head_loss(shape: ModelShape, setup: TrainSetup, model: nn.Module) ->
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = torch_dtype(setup.compute_dtype)
-    hidden = torch.randn(setup.batch, setup.seq_len, shape.hidden, dtype=dtype, requires_grad=True)
-    labels = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
+    hidden = torch.randn(setup.batch_size, setup.seq_len, shape.hidden, dtype=dtype,
+                         requires_grad=True)
+    labels = torch.randint(0, shape.vocab, (setup.batch_size, setup.seq_len))
     cap = shape.final_softcap
     with MemoryTracker("cpu") as mt:
         if setup.loss_chunk_tokens is not None:
@@ -260,7 +260,7 @@ def measure(shape: ModelShape, setup: TrainSetup,
             if t.untyped_storage().data_ptr() not in lora_ptrs | const_ptrs]
     for p in lora_params:
         p.grad = torch.zeros_like(p)
-    ids = torch.randint(0, shape.vocab, (setup.batch, setup.seq_len))
+    ids = torch.randint(0, shape.vocab, (setup.batch_size, setup.seq_len))
     peaks: dict[str, int] = {}
     by_plan: dict[tuple[Segment, ...], int] = {}
     for name, segments in plans.items():
@@ -339,7 +339,15 @@ def relative_error(predicted: int, measured: int) -> float:
     return abs(predicted - measured) / measured
 
 
-def verify_report(report: PlanReport) -> list[dict[str, Any]]:
+class Verified(TypedDict):
+    """One configuration as :func:`verify_report` measured it (``--verify --json``)."""
+
+    name: str
+    pieces: list[tuple[str, int, int]]  # (piece, predicted, measured)
+    skipped: NotRequired[str]  # why it was not measured (then no pieces)
+
+
+def verify_report(report: PlanReport) -> list[Verified]:
     """Measure every configuration of a plan on this machine (small configs only).
 
     Returns one entry per configuration: its name and ``[piece, predicted, measured]`` rows,
@@ -347,7 +355,7 @@ def verify_report(report: PlanReport) -> list[dict[str, Any]]:
     A configuration whose mechanisms this checkout lacks (offload, the tiled MLP) gets no
     rows and a ``"skipped"`` reason instead.
     """
-    out: list[dict[str, Any]] = []
+    out: list[Verified] = []
     for row in report.rows:
         why = unavailable(row.setup)
         if why is not None:
@@ -355,11 +363,11 @@ def verify_report(report: PlanReport) -> list[dict[str, Any]]:
             continue
         policy = row.setup.checkpoint
         rows = compare(report.shape, row.setup, (policy,))[policy]
-        out.append({"name": row.name, "pieces": [[n, p, m] for n, p, m in rows]})
+        out.append({"name": row.name, "pieces": rows})
     return out
 
 
-def format_verify(verified: list[dict[str, Any]]) -> str:
+def format_verify(verified: list[Verified]) -> str:
     """Predicted vs measured bytes per piece, one block per configuration."""
     from tightfit.measure.sizes import format_bytes
 

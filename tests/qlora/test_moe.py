@@ -307,13 +307,13 @@ def test_what_cannot_be_done_right_is_refused_before_any_change() -> None:
 def test_cli_trains_a_saved_mixtral(tmp_path, capsys) -> None:
     from tightfit.cli import main
 
-    tiny("mixtral", vocab_size=256).save_pretrained(tmp_path / "mixtral")  # byte tokens
+    tiny("mixtral", vocab_size=256).save_pretrained(tmp_path / "mixtral")  # no tokenizer
     text = tmp_path / "text.txt"
     text.write_text("\n".join(f"line {i}: the experts are routed in four bits" for i in range(64)))
     out = tmp_path / "run"
     rc = main(["train", "--model", str(tmp_path / "mixtral"), "--data", str(text), "--out",
                str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "16",
-               "--device-budget", "none", "--threads", "1"])
+               "--device-budget", "none", "--threads", "1", "--tokenizer", "bytes"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "note: not 4-bit" in text and "MoE router" in text

@@ -26,4 +26,5 @@ def _one_thread(one_thread: None) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    """A tiny Llama folder with a tokenizer whose ids are the UTF-8 bytes."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer=True)

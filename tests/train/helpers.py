@@ -15,8 +15,10 @@ CHAT_TEMPLATE = (
 SPECIALS = ["[UNK]", "[PAD]", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
-def tiny_llama(folder: Path, vocab_size: int = 256, positions: int = 64) -> Path:
-    """A 2-layer Llama with random weights, saved with ``save_pretrained``."""
+def tiny_llama(folder: Path, vocab_size: int = 256, positions: int = 64, *,
+               tokenizer: bool = False) -> Path:
+    """A 2-layer Llama with random weights, saved with ``save_pretrained`` (with
+    :func:`byte_tokenizer` beside it when ``tokenizer``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -25,7 +27,34 @@ def tiny_llama(folder: Path, vocab_size: int = 256, positions: int = 64) -> Path
                       max_position_embeddings=positions, tie_word_embeddings=False,
                       attn_implementation="sdpa")  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(folder)
+    if tokenizer:
+        byte_tokenizer().save_pretrained(folder)
     return folder
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (what a byte-level BPE's vocabulary holds)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_tokenizer():  # noqa: ANN201
+    """A Hugging Face fast tokenizer whose ids are the UTF-8 bytes (as the built-in byte
+    tokenizer's), for a tiny model folder that has a tokenizer of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE({c: b for b, c in _bytes_to_unicode().items()}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def word_tokenizer(words: list[str], template: str | None = CHAT_TEMPLATE):  # noqa: ANN201

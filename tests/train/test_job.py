@@ -51,7 +51,7 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
         "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",
         "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8",
-        "--lora-dropout", "0", "--lr", "2e-3"]  # fmt: skip
+        "--lora-dropout", "0", "--lr", "2e-3", "--tokenizer", "bytes"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

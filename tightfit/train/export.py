@@ -10,7 +10,8 @@ base). ``--merge`` writes a plain Hugging Face model folder that
 2. those weights go into a fresh copy of the base (its own layer types: GPT-2's ``Conv1D``
    transposed back), the adapter is loaded on it with peft and merged (``merge_and_unload``);
 3. the result is saved in ``--dtype`` (default bfloat16, QLoRA's compute dtype) with the
-   model folder's tokenizer. Its loss equals the adapter model's within that dtype's rounding.
+   run's tokenizer (the model folder's, or ``--tokenizer DIR``'s). Its loss equals the
+   adapter model's within that dtype's rounding.
 
 Nothing is written unless every step succeeded: the export is built in a temporary folder
 and renamed into place.
@@ -32,7 +33,7 @@ from tightfit.qlora.prepare import load_causal_lm, prepare
 from tightfit.qlora.quantize import linear4bit_layers
 from tightfit.train import model as builtin
 from tightfit.train import resume
-from tightfit.train.data.tokenizer import has_hf_tokenizer
+from tightfit.train.data.tokenizer import has_hf_tokenizer, tokenizer_folder
 from tightfit.train.run_options import RunConfig
 
 
@@ -83,10 +84,11 @@ def export(run_dir: str | os.PathLike[str], *, out: str | os.PathLike[str] | Non
         shutil.copytree(adapter, tmp / "adapter")
         if merge:
             merged_model(cfg, adapter, torch_dtype(dtype)).save_pretrained(tmp / "merged")
-            if cfg.train.model is not None and has_hf_tokenizer(cfg.train.model):
+            tokenizer = tokenizer_folder(cfg.train.model, cfg.train.tokenizer)
+            if tokenizer is not None and has_hf_tokenizer(tokenizer):
                 from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(cfg.train.model, local_files_only=True)
+                tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
                 tok.save_pretrained(tmp / "merged")
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, final)

@@ -22,7 +22,7 @@ from tightfit.optim.registry import optimizer_for, trainable_parameters
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
 from tightfit.train import model as builtin
 from tightfit.train import resume, validate
-from tightfit.train.data import TrainData, load_tokenizer, load_train_data
+from tightfit.train.data import TrainData, load_tokenizer, load_train_data, tokenizer_folder
 from tightfit.train.job import TrainJob
 from tightfit.train.memory import StepMemory, pressure_note
 from tightfit.train.run_options import RESUME_FREE, RunConfig, TrainOptions
@@ -216,7 +216,7 @@ def _load_data(cfg: RunConfig, progress: bool) -> TrainData:
         raise FileNotFoundError(
             f"model folder {t.model!r} does not exist; pass a local Hugging Face model "
             "folder or omit --model for the built-in model.")
-    return load_train_data(cfg.data, load_tokenizer(t.model), seq_len=t.seq_len,
+    return load_train_data(cfg.data, load_tokenizer(t.model, t.tokenizer), seq_len=t.seq_len,
                            batch_size=t.batch_size, grad_accum=t.grad_accum, seed=t.seed,
                            progress=progress)
 
@@ -238,9 +238,11 @@ def _load_model(cfg: RunConfig, data: TrainData) -> nn.Module:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     top = max(b.examples.max_id() for b in (data.train, data.eval) if b is not None)
     if vocab is not None and top >= vocab:
+        folder = tokenizer_folder(t.model, t.tokenizer)
+        used = "--tokenizer bytes" if folder is None else f"the tokenizer of {folder!r}"
         raise ValueError(
-            f"the tokenizer produces id {top} but the model's vocabulary has {vocab} entries; "
-            "use the model folder's own tokenizer.")
+            f"{used} gives id {top} but the model's vocabulary has {vocab} entries, so it is "
+            "not this model's tokenizer; pass the model's own with --tokenizer DIR.")
     return model
 
 

@@ -1,5 +1,7 @@
-"""Tokenizers behind one small interface: UTF-8 bytes for the built-in model, or the model
-folder's own Hugging Face tokenizer (its chat template included).
+"""Tokenizers behind one small interface: UTF-8 bytes for the built-in model (or
+``--tokenizer bytes``), else a Hugging Face tokenizer, the model folder's own (or
+``--tokenizer DIR``), its chat template included. A model folder without tokenizer files is
+refused rather than read as bytes.
 
 Chat rendering is the tokenizer's: ``apply_chat_template`` renders the conversation; the
 assistant turns are found with the template's ``{% generation %}`` markers when it has them
@@ -133,14 +135,41 @@ class HFTokenizer:
             raise ChatError(f"the chat template refused the conversation: {exc}") from exc
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+BYTES = "bytes"  # --tokenizer bytes: UTF-8 bytes as ids 0..255, the built-in model's tokenizer
+
+
 def has_hf_tokenizer(folder: str | os.PathLike[str]) -> bool:
-    """Whether a model folder ships tokenizer files."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    return any((Path(folder) / n).is_file() for n in names)
+    """Whether a folder holds tokenizer files (what ``tokenizer.save_pretrained`` writes)."""
+    return any((Path(folder) / n).is_file() for n in TOKENIZER_FILES)
 
 
-def load_tokenizer(model: str | None) -> ByteTokenizer | HFTokenizer:
-    """The model folder's tokenizer, or bytes for the built-in model or a folder without one."""
-    if model is not None and has_hf_tokenizer(model):
-        return HFTokenizer(model)
-    return ByteTokenizer()
+def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
+    """The folder a run's tokenizer is read from (``None``: bytes)."""
+    if tokenizer == BYTES:
+        return None
+    return tokenizer if tokenizer is not None else model
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a run: ``--tokenizer`` (a folder, or ``bytes``), else the model folder's
+    own; bytes for the built-in model (``model`` ``None``).
+
+    Raises:
+        FileNotFoundError: the folder has no tokenizer files (a model folder never silently
+            trains on bytes: ids 0..255 mean nothing to a model that has its own vocabulary).
+    """
+    folder = tokenizer_folder(model, tokenizer)
+    if folder is None:
+        return ByteTokenizer()
+    if has_hf_tokenizer(folder):
+        return HFTokenizer(folder)
+    files = ", ".join(TOKENIZER_FILES[:2])
+    if tokenizer is not None:
+        what = "does not exist" if not Path(folder).exists() else f"has no tokenizer ({files})"
+        raise FileNotFoundError(f"--tokenizer {folder!r} {what}; pass a folder written by "
+                                "tokenizer.save_pretrained, or --tokenizer bytes.")
+    raise FileNotFoundError(
+        f"model folder {folder!r} has no tokenizer ({files}, ...); save the model's tokenizer "
+        f"into it with tokenizer.save_pretrained({folder!r}), or pass --tokenizer DIR (or "
+        "--tokenizer bytes to train on UTF-8 bytes).")

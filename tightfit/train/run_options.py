@@ -73,11 +73,6 @@ class TrainOptions:
         metadata={"help": "tokenizer folder, or bytes for UTF-8 bytes as ids 0-255 (default: the "
                           "model folder's own; bytes for the built-in model)"},
     )
-    tokenizer: str | None = field(
-        default=None,
-        metadata={"help": "tokenizer folder, or bytes for UTF-8 bytes as ids 0-255 (default: the "
-                          "model folder's own; bytes for the built-in model)"},
-    )
     out: str | None = field(
         default=None,
         metadata={"help": "output folder (default: a new tightfit-out/run-<UTC time> folder)"},

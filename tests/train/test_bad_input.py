@@ -198,3 +198,41 @@ def test_an_interrupted_config_write_leaves_no_temp_and_the_old_file(tmp_path, m
     monkeypatch.setattr(resume.os, "replace", real_replace)
     assert [p.name for p in tmp_path.iterdir()] == [resume.CONFIG]
     assert resume.read_config(tmp_path) == {"a": 1}
+
+
+# Issue 28 item 4: what needs no model is refused before the loop's imports (transformers,
+# peft, bitsandbytes, datasets: seconds on 2 cores), and reads right.
+_REFUSE_EARLY = """
+import sys
+from tightfit.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("transformers", "peft", "bitsandbytes", "datasets") if m in sys.modules)
+print("RESULT", rc, ",".join(heavy) or "-")
+"""
+
+
+@pytest.mark.parametrize("case", ["seq-len", "lr", "no-data", "empty-data", "empty-eval",
+                                  "no-model", "nothing-saved", "out-is-file"])
+def test_input_that_needs_no_model_is_refused_before_the_heavy_imports(case: str,
+                                                                        tmp_path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    run = tmp_path / "run"  # a run killed before its first save: a config, no saved state
+    run.mkdir()
+    resume.write_config(run, {"data.path": None})
+    argv, said = {
+        "seq-len": (["--seq-len", "0"], "--seq-len must be >= 2 tokens"),
+        "lr": (["--lr", "-1"], "learning rate must be > 0"),
+        "no-data": (["--data", str(tmp_path / "nope.txt")], "does not exist"),
+        "empty-data": (["--data", str(empty)], "is an empty file; pass --data"),
+        "empty-eval": (["--eval-data", str(empty)], "is an empty file; pass --eval-data"),
+        "no-model": (["--model", str(tmp_path / "nomodel")], "model folder"),
+        "nothing-saved": (["--resume", str(run), "--data", str(empty)], "nothing saved yet"),
+        "out-is-file": (["--out", str(empty)], "is a file, not a folder"),
+    }[case]
+    proc = subprocess.run([sys.executable, "-c", _REFUSE_EARLY, "train", *argv],
+                          capture_output=True, text=True, timeout=120)
+    result = proc.stdout.split("RESULT ")[-1].split()
+    assert result == ["2", "-"], (proc.stdout, proc.stderr)  # exit 2, nothing heavy imported
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and said in errors[0], proc.stderr

@@ -347,6 +347,10 @@ def resumed_config(folder: str | os.PathLike[str], changes: dict[str, Any]) -> R
         raise ValueError(f"--resume {folder} continues the run in its own folder; drop --out "
                          "(to branch a run, copy its folder and resume the copy).")
     saved = read_config(Path(folder))
+    if latest_state(Path(folder)) is None:  # before comparing options: none would matter
+        raise ValueError(f"--resume {folder}: nothing saved yet (the run stopped before its "
+                         "first save, --save-every); start it again with --out, or delete the "
+                         "folder first.")
     launch = dict.fromkeys(LAUNCH_KEYS, False)
     base = RunConfig().with_flat({**saved, **launch, "train.out": None,
                                   "train.resume": str(folder)})

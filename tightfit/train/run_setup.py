@@ -211,11 +211,7 @@ def _device_type(device: str | None) -> str:
 
 def _load_data(cfg: RunConfig, progress: bool) -> TrainData:
     """The tokenizer and the checked, tokenized data (the model folder checked first)."""
-    t = cfg.train
-    if t.model is not None and not Path(t.model).is_dir():
-        raise FileNotFoundError(
-            f"model folder {t.model!r} does not exist; pass a local Hugging Face model "
-            "folder or omit --model for the built-in model.")
+    t = cfg.train  # the model folder and the data paths were checked (validate.check_run)
     return load_train_data(cfg.data, load_tokenizer(t.model, t.tokenizer), seq_len=t.seq_len,
                            batch_size=t.batch_size, grad_accum=t.grad_accum, seed=t.seed,
                            progress=progress)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from tightfit.measure.dtypes import SHORT_NAMES
 from tightfit.measure.sizes import parse_bytes
 from tightfit.train.run_options import RunConfig, cli_fields, flag_dest, flag_name
+from tightfit.train.validate import check_run
 
 _TITLES = {"train": "run", "data": "data", "prepare": "quantization, checkpointing, loss",
            "lora": "LoRA", "optimizer": "optimizer"}
@@ -158,9 +159,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def run(args: argparse.Namespace) -> int:
     """``tightfit train``: train, then print the memory report and what was written."""
+    cfg = config_from_args(args)
+    # what the options, the machine and the files can refuse, before the seconds that the
+    # loop's imports (transformers, peft, bitsandbytes, datasets) take
+    check_run(cfg)
     from tightfit.train.loop import train
 
-    cfg = config_from_args(args)
     quiet = bool(getattr(args, "quiet", False))
     tic = time.perf_counter()
     result = train(cfg, progress=not quiet)
@@ -177,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(result: Any, elapsed: float) -> None:
     """The report table, the loss, the tokens trained and the eval loss (stdout)."""
+    from tightfit.report.text import wrap  # ≤ 100 columns, as the report
+
     h = result.history
     print()
     print(result.report.table())
@@ -189,8 +195,8 @@ def _print_summary(result: Any, elapsed: float) -> None:
     eff = meta["batch_efficiency"]
     if eff["efficiency"] is not None:
         kind = "packing" if eff["batching"] == "pack" else "padding"
-        print(f"trained on {meta['trained_tokens']:,} target tokens; {kind} efficiency "
-              f"{eff['efficiency']:.1%} (the examples' share of the tokens computed)")
+        print(wrap(f"trained on {meta['trained_tokens']:,} target tokens; {kind} efficiency "
+                   f"{eff['efficiency']:.1%} (the examples' share of the tokens computed)"))
     evals = [x for x in h if x.get("eval_loss") is not None]
     if evals:
         print(f"eval loss {evals[-1]['eval_loss']:.3f} (perplexity "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tightfit.train.data.sources import find_source
 from tightfit.train.run_options import RunConfig
 
 _DEVICES = ("cpu", "cuda")
@@ -28,14 +29,18 @@ def check_run(cfg: RunConfig) -> None:
     Raises:
         ValueError: a non-finite or non-positive learning rate, an unknown or absent device,
             an output folder that is a file or cannot be made, a model folder whose
-            ``config.json`` is not JSON.
-        FileNotFoundError: a model folder without ``config.json`` or without weights.
+            ``config.json`` is not JSON, an empty ``--data`` file or folder.
+        FileNotFoundError: a model folder that is missing or has no ``config.json`` or no
+            weights; a ``--data`` / ``--eval-data`` path that does not exist.
     """
     check_numbers(cfg)
     check_device(cfg.train.device)
     check_output(cfg.train.resume, cfg.train.out)
-    if cfg.train.model is not None and Path(cfg.train.model).is_dir():
+    if cfg.train.model is not None:
         check_model_folder(Path(cfg.train.model))
+    for flag, path in (("--data", cfg.data.path), ("--eval-data", cfg.data.eval_data)):
+        if path is not None:
+            find_source(path, flag)  # exists, not empty, a folder's files of one kind
 
 
 def check_numbers(cfg: RunConfig) -> None:
@@ -94,8 +99,12 @@ def check_output(resume: str | None, out: str | None) -> None:
 
 
 def check_model_folder(folder: Path) -> None:
-    """``folder`` holds a readable ``config.json`` and weights (whole, or every shard an
-    index names)."""
+    """``folder`` exists and holds a readable ``config.json`` and weights (whole, or every
+    shard an index names)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model folder {str(folder)!r} does not exist; pass a local Hugging Face model "
+            "folder or omit --model for the built-in model.")
     from transformers.utils import (
         SAFE_WEIGHTS_INDEX_NAME,
         SAFE_WEIGHTS_NAME,

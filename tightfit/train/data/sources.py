@@ -8,8 +8,9 @@
   sorted, the first MiB (the built-in demo's corpus).
 
 Everything datasets writes (its Arrow cache, our tokenized tables) goes to a
-:class:`DataCache`, a temporary folder removed when the run ends, never into the data folder
-or ``~/.cache``. Errors name the file and, for records, the line or record.
+:class:`DataCache`, a temporary folder removed when the run ends (or, for a killed run, by the
+next one), never into the data folder or ``~/.cache``. Errors name the file and, for records,
+the line or record.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tightfit.integrity.owners import remove_stale, write_owner
+
+DATA_PREFIX = "tightfit-data-"  # the temporary folder of a run's data (DataCache)
 # Bytes of stdlib source read for the default corpus: plenty for a short demo run.
 DEFAULT_CORPUS_BYTES = 1 << 20
 RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -33,12 +37,21 @@ _DISK_MARKERS = ("state.json", "dataset_dict.json")
 
 
 class DataCache:
-    """A temporary folder for everything datasets writes during one run (removed by ``close``)."""
+    """A temporary folder for everything datasets writes during one run (removed by ``close``).
+
+    The folder gets an owner file (:mod:`tightfit.integrity.owners`) the moment it is made, and
+    a new cache first removes the caches of runs whose process is gone (``kill -9``, the OOM
+    killer): a run killed before it could clean up leaves its tokenized tables only until the
+    next run on the machine. Folders without an owner file are never touched.
+    """
 
     def __init__(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="tightfit-data-",
+        parent = tempfile.gettempdir()
+        remove_stale(parent, DATA_PREFIX)
+        self._tmp = tempfile.TemporaryDirectory(prefix=DATA_PREFIX, dir=parent,
                                                 ignore_cleanup_errors=True)
         self.dir = Path(self._tmp.name)
+        write_owner(str(self.dir))
         self._count = 0
 
     def file(self, name: str) -> str:
@@ -79,12 +92,13 @@ def stdlib_files() -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
-def find_source(path: str | None) -> Source:
+def find_source(path: str | None, flag: str = "--data") -> Source:
     """Resolve ``--data`` to a :class:`Source` (by file type; the columns decide the format).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: an empty folder, or a folder that mixes record files and other files.
+        ValueError: an empty folder or file, or a folder that mixes record files and other
+            files (``flag`` names the option in the message).
     """
     if path is None:
         where = f"the Python standard library ({sysconfig.get_paths()['stdlib']})"
@@ -101,6 +115,10 @@ def find_source(path: str | None) -> Source:
     if not files:
         raise ValueError(f"no training text found in {str(p)!r}: the folder has no files; "
                          "pass --data with a non-empty file or folder.")
+    if all(f.stat().st_size == 0 for f in files):
+        what = "is an empty file" if p.is_file() else "holds only empty files"
+        raise ValueError(f"{flag} {str(p)!r} {what}; pass {flag} with the text or records "
+                         "to train on.")
     builders = {RECORD_BUILDERS.get(f.suffix.lower()) for f in files}
     if builders == {None}:
         return Source("raw", "text", files, repr(str(p)))

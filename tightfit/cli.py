@@ -7,8 +7,9 @@ the options a user sees come from the same typed signatures the Python API uses.
 Output: results (the report, the plan) go to stdout; messages go through :mod:`logging`
 (the ``tightfit`` logger: INFO and DEBUG on stdout, warnings and errors on stderr), ``-v``
 adds DEBUG, ``--quiet`` keeps warnings and errors only. Exit codes: 0 done, 1 a step ran out
-of memory twice (train: the last completed step saved) or nothing fits (plan), 2 bad input (nothing changed), 130 Ctrl-C
-(the last completed step saved).
+of memory twice (train: the last completed step saved) or nothing fits (plan), 2 bad input
+(nothing changed), 130 Ctrl-C and 143 SIGTERM (train: the last completed step saved; every
+command removes its temporary files first).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
+
+from tightfit.integrity.interrupts import interrupt_signal, terminate_as_interrupt
 
 # (name, module, one-line help). A module is imported only when its command runs.
 _COMMANDS: list[tuple[str, str, str]] = [
@@ -161,14 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.quiet)
     try:
-        return int(args._run(args) or 0)
+        with terminate_as_interrupt():  # SIGTERM takes Ctrl-C's path: save, clean up, say so
+            return int(args._run(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         # Bad input: say what is wrong and how to fix it, without a traceback.
         logger.error("tightfit %s: error: %s", args.command, exc)
         return 2
     except KeyboardInterrupt as exc:
-        logger.error("tightfit %s: %s", args.command, exc or "interrupted")
-        return 130
+        logger.error("tightfit %s: %s", args.command, str(exc) or "interrupted")
+        return 128 + interrupt_signal(exc)  # 130 for Ctrl-C, 143 for SIGTERM
     except RuntimeError as exc:
         from tightfit.train.step import StepOutOfMemory  # only once a run has failed
 

@@ -1,7 +1,10 @@
 """Plain-text data: byte tokens, the stdlib corpus, all of --data read (a cap only when asked
-and then printed), batches as a pure function of (seed, step), non-UTF-8 files named."""
+and then printed), batches as a pure function of (seed, step), non-UTF-8 files named; a killed
+run's data cache removed by the next run."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +108,36 @@ def test_bad_text_is_refused_with_file_and_line(tmp_path) -> None:
         _load(tmp_path / "short.txt", seq_len=64)
     with pytest.raises(ValueError, match="--format chat needs records"):
         _load(tmp_path / "short.txt", format="chat")
+
+
+def test_a_killed_runs_data_cache_is_removed_by_the_next_run(tmp_path, monkeypatch) -> None:
+    """Issue 28 item 3: kill -9 leaves a run's tokenized tables behind; the next run's cache
+    removes them (owner files), never a live run's cache or a folder without an owner."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from tightfit.train.data.sources import DataCache
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = ("import time; from tightfit.train.data.sources import DataCache; c = DataCache(); "
+            "(c.dir / 'records.arrow').write_bytes(bytes(4096)); print(c.dir, flush=True); "
+            "time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        killed = Path(proc.stdout.readline().strip())
+    finally:
+        proc.kill()  # SIGKILL: no cleanup runs
+        proc.wait()
+    assert killed.parent == tmp_path and (killed / "records.arrow").is_file()
+    unowned = tmp_path / "tightfit-data-older"  # an older version's, or one being made
+    unowned.mkdir()
+    live = DataCache()
+    assert not killed.exists() and unowned.is_dir() and live.dir.is_dir()
+    other = DataCache()  # a second run beside a live one leaves it alone
+    assert live.dir.is_dir()
+    for cache in (live, other):
+        cache.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tightfit-data-older"]

@@ -1,6 +1,6 @@
 """Output conventions: messages through logging (-v, --quiet), --version and ``python -m
-tightfit``, Ctrl-C saves the last completed step and exits 130, third-party noise hidden,
-type hints shipped (py.typed)."""
+tightfit``, Ctrl-C and SIGTERM save the last completed step and exit 130 / 143, third-party
+noise hidden, type hints shipped (py.typed)."""
 
 from __future__ import annotations
 
@@ -73,28 +73,37 @@ def test_quiet_and_verbose(tmp_path, tiny_dir, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_last_completed_step_and_exits_130(tmp_path, tiny_dir) -> None:
-    out = tmp_path / "run"
+@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "interrupted"),
+                                                   (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_ctrl_c_and_sigterm_save_the_last_completed_step_and_leave_no_temp_folder(
+        tmp_path, tiny_dir, sig, code, said) -> None:
+    """Issue 28 item 3: SIGTERM (docker stop, SLURM, timeout) as Ctrl-C: the last completed step
+    saved, a one-line message, exit 128 + the signal, and nothing left in the temp folder."""
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**ENV, "TMPDIR": str(tmp)}  # the run's temporary folders go here
     cmd = [sys.executable, "-m", "tightfit", "-v", "train", "--model", str(tiny_dir), "--out",
            str(out), "--steps", "500", "--save-every", "1000", *ARGS]
     with open(tmp_path / "stderr.txt", "w") as errfile:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errfile, text=True, env=ENV)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errfile, text=True, env=env)
         try:
             for line in proc.stdout:  # debug lines: "step N done: ..."
                 if line.startswith("step 3 done"):
                     break
             else:
                 pytest.fail(f"the run ended early: {(tmp_path / 'stderr.txt').read_text()}")
-            proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+            assert [p.name for p in tmp.iterdir() if p.name.startswith("tightfit-data-")]
+            proc.send_signal(sig)  # what Ctrl-C / docker stop send
             rest = proc.stdout.read()
             rc = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
     err = (tmp_path / "stderr.txt").read_text()
-    assert rc == 130, err
-    last = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()][-1]
-    assert last.startswith("tightfit train: interrupted; the state of step ") and "--resume" in last
+    assert rc == code, err
+    text = " ".join(err.replace("\r", "\n").split())  # the message may wrap at 100 columns
+    last = text[text.rindex(f"tightfit train: {said}; the state of step "):]
+    assert last.endswith(f"continue with `tightfit train --resume {out}`."), last
     done = max(int(ln.split()[1]) for ln in ["step 3 done", *rest.splitlines()]
                if ln.startswith("step ") and " done" in ln)
     saved = resume.latest_state(out)
@@ -103,11 +112,19 @@ def test_ctrl_c_saves_the_last_completed_step_and_exits_130(tmp_path, tiny_dir) 
     state = torch.load(saved / "trainer_state.pt", weights_only=False)
     assert [h["step"] for h in state["history"]] == list(range(1, done + 1))
     assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert _left_in(tmp) == []  # the data cache and the spill folder are gone
     # and the run continues from it
     assert subprocess.run([sys.executable, "-m", "tightfit", "-q", "train", "--resume", str(out),
-                           "--steps", str(done + 1)], env=ENV, timeout=300,
+                           "--steps", str(done + 1)], env=env, timeout=300,
                           capture_output=True).returncode == 0
     assert resume.saved_step(resume.latest_state(out)) == done + 1
+    assert _left_in(tmp) == []
+
+
+def _left_in(tmp: Path) -> list[str]:
+    """What a run left in its temp folder, but torch's compile cache (torchinductor_USER, kept
+    across runs on purpose)."""
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 
 
 def _drawn(monkeypatch) -> list:

@@ -27,11 +27,13 @@ def bare(tmp_path_factory) -> dict[int, Path]:
 
 
 def _error(argv: list[str], capsys) -> str:
+    """The one error message ``argv`` ends with (exit code 2), its wrapped lines joined."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]  # but bars
-    assert len(lines) == 1 and lines[0].startswith("tightfit train: error: "), err
-    return lines[0]
+    said = " ".join(ln for ln in err.splitlines() if ln.strip() and "%|" not in ln)  # no bars
+    text = " ".join(said.split())
+    assert text.startswith("tightfit train: error: ") and text.count("error") == 1, err
+    return text
 
 
 def test_a_model_folder_without_a_tokenizer_is_refused_whatever_its_vocabulary(

@@ -6,10 +6,12 @@ the run (nothing is written before every check passed), :func:`run_steps` trains
 resume state every ``--save-every`` steps, and :func:`finish` publishes the adapter, measures
 the report and draws the plots.
 
-Stopping early loses nothing done: on Ctrl-C, or when a step runs out of memory even when
-retried, the loop saves the state of the last completed step (when the last save is older)
-and raises :class:`TrainInterrupted` or :class:`~tightfit.train.step.StepOutOfMemory` with a
-message saying where it is and how to continue. Under torchrun the ranks cannot agree on a
+Stopping early loses nothing done: on Ctrl-C or SIGTERM (which the command line raises as an
+interrupt, :func:`tightfit.integrity.interrupts.terminate_as_interrupt`), or when a step runs
+out of memory even when retried, the loop saves the state of the last completed step (when
+the last save is older) and raises :class:`TrainInterrupted` or
+:class:`~tightfit.train.step.StepOutOfMemory` with a message saying where it is and how to
+continue. Under torchrun the ranks cannot agree on a
 save in that moment, so the last periodic save stands.
 """
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,9 @@ from typing import Any
 
 import torch
 
+from tightfit.integrity.interrupts import interrupt_signal
 from tightfit.report.report import MemoryReport, measure_report
+from tightfit.report.text import WIDTH
 from tightfit.train import resume
 from tightfit.train.eval import evaluate
 from tightfit.train.memory import optimizer_stats
@@ -42,7 +48,12 @@ logger = logging.getLogger("tightfit.train")
 
 
 class TrainInterrupted(KeyboardInterrupt):
-    """Ctrl-C during ``tightfit train``; the message says what was saved and how to resume."""
+    """Ctrl-C or SIGTERM during ``tightfit train``; the message says what was saved and how to
+    resume, ``signum`` which signal it was."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass
@@ -74,7 +85,8 @@ def train(
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad input, before training starts.
-        TrainInterrupted: Ctrl-C; the state of the last completed step is saved.
+        TrainInterrupted: Ctrl-C (or SIGTERM under the command line); the state of the last
+            completed step is saved.
         StepOutOfMemory: a step ran out of memory twice; the last completed step is saved.
     """
     run = setup(cfg, progress=progress, log=log or logger.info)
@@ -112,8 +124,10 @@ def run_steps(run: Run) -> None:
                 run.last_saved = run.job.save_state(run.out, step + 1, run.model, run.optimizer,
                                                     run.history)
                 run.saving = False
-    except KeyboardInterrupt:
-        raise TrainInterrupted(f"interrupted; {_save_after_stop(run)}") from None
+    except KeyboardInterrupt as exc:
+        signum = interrupt_signal(exc)
+        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        raise TrainInterrupted(f"{what}; {_save_after_stop(run)}", signum) from None
     except StepOutOfMemory as exc:
         raise StepOutOfMemory(f"{exc} {_save_after_stop(run)}") from None
     finally:
@@ -212,15 +226,15 @@ def _progress(start: int, total: int, enabled: bool) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    cols = min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)  # fits 100 columns
+    return tqdm(total=total, initial=start, desc="train", unit="step", ncols=cols)
 
 
 def _update_bar(bar: Any, rec: dict[str, Any]) -> None:
     if bar is None:
         return
-    budget = rec.get("device_budget")
-    dev = rec["device_bytes"]
-    occ = f"{dev / budget:.0%}" if budget else f"{dev / 2**20:.1f}MiB"
+    mib = rec["device_bytes"] / 2**20  # MiB, as everywhere (the report, the plots, --device-budget's note)
+    occ = f"{mib:.{2 if mib < 100 else 0}f}MiB"
     shown = {"loss": f"{rec['loss']:.3f}", "tok_s": f"{rec['tokens_per_s']:.0f}", "dev": occ}
     if rec.get("eval_loss") is not None:
         bar.last_eval = f"{rec['eval_loss']:.3f}"

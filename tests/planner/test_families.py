@@ -3,12 +3,17 @@ transformers builds them, and each family's memory model against a measured step
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from tightfit.planner.configs import hf_config, shape_from_config
+from tightfit.planner.estimate import estimate
 from tightfit.planner.presets import PRESETS
 from tightfit.planner.shapes import FAMILIES, SLIDING, ModelShape
+from tightfit.planner.table import PlanReport
 from tightfit.planner.train_setup import TrainSetup
 from tightfit.planner.verify import compare, relative_error
 
@@ -124,9 +129,78 @@ def test_bad_family_configs_name_the_fix() -> None:
     with pytest.raises(ValueError, match="layer_types must name 2 layers"):
         shape_from_config({"model_type": "gemma2", **base, "layer_types": [SLIDING]})
     with pytest.raises(ValueError, match="a phi3 layer .* has no such projection.*qkv_proj"):
-        from tightfit.planner.estimate import estimate
-
         estimate(SMALL["phi3"], TrainSetup(seq_len=16, lora_target_modules=("q_proj",)))
+
+
+def _check_rows(report: PlanReport) -> None:
+    """A row that does not apply to the family is marked so (and only the tiled ones, only
+    where the MLP is not tiled), has no figures nor command, and is never recommended."""
+    from tightfit.planner.estimate import untiled_mlp
+
+    why = untiled_mlp(report.shape)
+    tiled = {"QLoRA + every + offload + chunked + tiled MLP",
+             "long-context stack (+ paged AdamW 8-bit)"}
+    assert len(report.rows) == 11
+    for row in report.rows:
+        assert row.not_applicable == (why if row.name in tiled else None), row.name
+        if row.not_applicable is not None:
+            assert row.estimate is None and not row.fits and row.train_args == ()
+            assert row is not report.recommended and not row.maximum
+    text = str(report)
+    assert (f"n/a: {why}" in text) == (why is not None)
+    rows = json.loads(json.dumps(report.to_dict()))["rows"]
+    assert [r["not_applicable"] for r in rows] == [r.not_applicable for r in report.rows]
+    assert all(r["total_bytes"] is None for r in rows if r["not_applicable"])
+
+
+def test_every_preset_plans() -> None:
+    """Phi-3's fused MLP and MoE experts are not tiled: their tiled rows are n/a, the
+    others answer (issue 28: 11 of the 50 presets used to fail with exit 2)."""
+    import tightfit
+
+    assert len(PRESETS) == 50
+    marked = 0
+    for name in PRESETS:
+        report = tightfit.plan(name, "24GiB")
+        _check_rows(report)
+        marked += any(r.not_applicable for r in report.rows)
+        longest = tightfit.plan(name, "24GiB", maximize="seq", granularity=4096)
+        _check_rows(longest)
+        assert longest.recommended is None or longest.recommended.maximum
+    assert marked == sum(s.is_moe or s.traits.fused for s in PRESETS.values()) == 11
+    with pytest.raises(ValueError, match="MoE experts are not tiled.*--mlp-tile none"):
+        estimate(SMALL["mixtral"], TrainSetup(seq_len=16, mlp_tile=8))
+
+
+@pytest.mark.parametrize("argv", [["--model", "mixtral-8x7b", "--gpu", "80GiB"],
+                                  ["--model", "phi-3-mini-4k", "--gpu", "8GiB", "--max-seq"],
+                                  ["--model", "qwen3-30b-a3b", "--json"]])
+def test_cli_plans_the_families_it_cannot_tile(argv: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from tightfit.cli import main
+
+    assert main(["plan", *argv]) in (0, 1)
+    captured = capsys.readouterr()
+    assert "not tiled" in captured.out and "Error" not in captured.err
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_local_config_of_every_family_plans(family: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The family's small config saved by transformers (a model folder's config.json)
+    reads back as the same shape and plans, plain and with --max-seq."""
+    from tightfit.cli import main
+
+    shape = SMALL[family]
+    hf_config(shape).to_json_file(str(tmp_path / "config.json"))
+    assert shape_from_config(json.loads((tmp_path / "config.json").read_text()),
+                             name=shape.name) == shape
+    for extra in ([], ["--max-seq", "--granularity", "64"]):
+        code = main(["plan", "--model", str(tmp_path), "--gpu", "16MiB", "--overhead", "0",
+                     "--seq-len", "64", *extra])
+        assert code in (0, 1), (family, extra)
+        out = capsys.readouterr().out
+        assert ("n/a: " in out) == (shape.is_moe or shape.traits.fused)
 
 
 def test_moe_counts_every_expert_once_in_storage_and_top_k_in_compute() -> None:

@@ -94,7 +94,9 @@ def _moe(config: dict[str, Any], family: str, name: str) -> dict[str, Any]:
             f"{name}: dense MLP layers between the MoE layers (mlp_only_layers / "
             "decoder_sparse_step) are not modelled; the planner models every layer a MoE "
             "layer (as in the released Qwen3-MoE models). Pass such a config.")
-    return {"experts": int(config.get("num_experts", 128)),
+    # transformers 5 writes num_experts as num_local_experts (its attribute_map)
+    experts = config.get("num_experts", config.get("num_local_experts", 128))
+    return {"experts": int(experts),
             "experts_per_token": int(config.get("num_experts_per_tok", 8)),
             "intermediate": int(config.get("moe_intermediate_size", 768))}
 

@@ -252,6 +252,17 @@ class Estimate:
         return {p: getattr(self, p) for p in self.PIECES}
 
 
+def untiled_mlp(shape: ModelShape) -> str | None:
+    """Why ``shape``'s MLP cannot run in tiles, ``None`` when it can:
+    :mod:`tightfit.checkpoint.tiling` tiles the gate/up/down MLP of a layer, not Phi-3's
+    fused ``gate_up_proj`` nor a mixture of experts."""
+    if shape.is_moe:
+        return "MoE experts are not tiled"
+    if shape.traits.fused:
+        return "a fused gate_up_proj MLP is not tiled"
+    return None
+
+
 def estimate(
     shape: ModelShape, setup: TrainSetup, overhead: Overhead | None = None
 ) -> Estimate:
@@ -275,11 +286,11 @@ def estimate(
             f"seq_len {setup.seq_len} is longer than {shape.name} supports "
             f"(max_position_embeddings={shape.max_positions}); pass a shorter --seq-len."
         )
-    if setup.mlp_tile is not None and (shape.traits.fused or shape.is_moe):
+    untiled = untiled_mlp(shape)
+    if setup.mlp_tile is not None and untiled is not None:
         raise ValueError(
-            f"{shape.name}: tightfit.checkpoint.tiling tiles gate/up/down MLPs; a {shape.family} "
-            f"layer's MLP ({'fused gate_up_proj' if shape.traits.fused else 'MoE experts'}) is "
-            "not tiled; pass mlp_tile=None.")
+            f"{shape.name}: {untiled} (tightfit.checkpoint.tiling tiles gate/up/down MLPs); "
+            "plan it untiled: mlp_tile=None (tightfit train: --mlp-tile none).")
     overhead = overhead or Overhead()
     weights, constants = base_weight_bytes(shape, setup)
     n_lora, _ = lora_param_count(shape, setup)

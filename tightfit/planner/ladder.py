@@ -8,7 +8,9 @@ to the host, a tiled MLP). Each gets the memory model's bytes per piece on the d
 bytes on the host, whether both fit (the device with the overhead and the safety margin, the
 host within its pinned budget; a row that fits only inside the margin is "tight"), and an
 estimated slowdown (:mod:`tightfit.planner.speed`); the fastest that fits with the margin is
-recommended, with the ``tightfit train`` options that select it. With
+recommended, with the ``tightfit train`` options that select it; a configuration the
+model's family does not have (the tiled MLP of MoE experts or of Phi-3's fused MLP) is a row
+marked not applicable (:attr:`Row.not_applicable`). With
 ``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
 largest batch that fits (:mod:`tightfit.planner.max_length`).
 """
@@ -23,7 +25,7 @@ from typing import Any, Literal
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
-from tightfit.planner.estimate import Overhead, estimate
+from tightfit.planner.estimate import Overhead, estimate, untiled_mlp
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.presets import ModelShape, load_shape
@@ -286,17 +288,30 @@ def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,
           granularity: int) -> tuple[tuple[Row, ...], Row | None]:
     """Every rung's row and the recommended one (``None``: none fits with the margin)."""
     base = rungs[0].setup
+    rows = tuple(_row(r, sizing, maximize, base.seq_len, base.batch_size, granularity)
+                 for r in rungs)
+    # (a row that does not apply has no estimate, and neither fits nor a maximum)
     if maximize is not None:
-        rows = tuple(_maximized(r, sizing, maximize, base.seq_len, base.batch_size,
-                                granularity) for r in rungs)
         fitting = [r for r in rows if r.maximum]
         best = (max(fitting, key=lambda r: (r.maximum, -r.slowdown, -r.estimate.total))
                 if fitting else None)
         return rows, best
-    rows = tuple(evaluate(r, sizing, sized(r, sizing, base.seq_len, base.batch_size))
-                 for r in rungs)
     fitting = [r for r in rows if r.fits]
     return rows, (min(fitting, key=lambda r: (r.slowdown, r.estimate.total)) if fitting else None)
+
+
+def _row(rung: Rung, sizing: Sizing, maximize: Maximize | None, seq_len: int, batch: int,
+         granularity: int) -> Row:
+    """``rung``'s row, maximized under ``maximize``; marked not applicable where the
+    model's family has no such configuration (a tiled MLP of MoE experts)."""
+    why = untiled_mlp(sizing.shape) if rung.tiled else None
+    if why is not None:
+        setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,
+                                 host_budget=sizing.host.budget)
+        return Row.inapplicable(rung.name, setup, why)
+    if maximize is not None:
+        return _maximized(rung, sizing, maximize, seq_len, batch, granularity)
+    return evaluate(rung, sizing, sized(rung, sizing, seq_len, batch))
 
 
 def _check_search(shape: ModelShape, maximize: Maximize | None, seq_len: int, batch: int,

@@ -17,7 +17,7 @@ Reading the table: one row per configuration, its device bytes piece by piece (`
 is what must fit ``--gpu``) and ``host``, what it keeps in pinned host memory (offloaded
 layer inputs + paged optimizer state; must fit ``--pinned-fraction`` of ``--host-ram``).
 ``fits``: yes (with the safety margin ``--margin`` left free), tight (only inside the
-margin: never recommended), NO (device) or HOST (the device fits, the host does not). The
+margin: never recommended), NO (device), HOST (the device fits, the host does not) or n/a. The
 exit code is 1 when no row fits with the margin. With ``--max-seq``
 the first column is each row's longest sequence and its pieces are at that length; the note
 line under the table says what binds (device, host, or the model's position limit).
@@ -28,7 +28,9 @@ long sequences: every layer recomputed with its input offloaded to pinned
 host memory (brought back one layer ahead) and the chunked loss — Unsloth's recipe —; the
 same with the MLP run in tiles of tokens; and a budget plan with both and the paged 8-bit
 AdamW. Offload costs host RAM and link time (hidden behind compute when it can be), the tiled
-MLP one more MLP forward per layer. See docs/plan.md, "Long context".
+MLP one more MLP forward per layer. See docs/plan.md, "Long context". A row that does not apply
+to the model's family (the tiled MLP of Phi-3's fused MLP or of MoE experts) reads ``n/a``,
+with the reason on its note line.
 """
 
 from __future__ import annotations

@@ -13,21 +13,29 @@ from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 
+# The figures of a row in --json: null for a configuration that does not apply
+_FIGURES = ("total_bytes", "pieces_bytes", "host_bytes", "host_activation_bytes",
+            "optimizer_offloaded_bytes", "paging_bytes_per_step", "slowdown",
+            "recompute_fraction", "checkpoint_segments", "segments")
+
 
 @dataclass(frozen=True)
 class Row:
     """One configuration of the plan.
 
     ``fits`` is ``fits_device and fits_host`` with the plan's safety margin left free on the
-    device; ``tight``: it fits the device only inside that margin. Under ``maximize``, ``maximum`` is the longest
-    sequence (largest batch) that fits, 0 when not even the smallest does, and the row's
-    figures are at that size; ``limit`` says what stops it: ``"device"``, ``"host"``,
-    ``"positions"`` (the model's position limit) or ``"nothing fits"``.
+    device; ``tight``: it fits the device only inside that margin. Under ``maximize``,
+    ``maximum`` is the longest sequence (largest batch) that fits, 0 when not even the
+    smallest does, and the row's figures are at that size; ``limit`` says what stops it:
+    ``"device"``, ``"host"``, ``"positions"`` (the model's position limit) or
+    ``"nothing fits"``. A configuration that does not apply to the model's family (a tiled
+    MLP for MoE experts) has ``not_applicable`` (why), no ``estimate``, no command, and is
+    never recommended.
     """
 
     name: str
     setup: TrainSetup
-    estimate: Estimate
+    estimate: Estimate | None
     fits: bool
     slowdown: float
     paging_bytes_per_step: int
@@ -37,15 +45,17 @@ class Row:
     maximum: int | None = None
     limit: str | None = None
     tight: bool = False
+    not_applicable: str | None = None
+
+    @classmethod
+    def inapplicable(cls, name: str, setup: TrainSetup, why: str) -> Row:
+        """The row of a configuration that does not apply (``why``) to the model."""
+        return cls(name, setup, None, False, 0.0, 0, (), fits_device=False, fits_host=False,
+                   not_applicable=why)
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
-        return {
-            "name": self.name,
-            "fits": self.fits,
-            "fits_device": self.fits_device,
-            "fits_host": self.fits_host,
-            "tight": self.tight,
+        figures: dict[str, Any] = dict.fromkeys(_FIGURES) if e is None else {
             "total_bytes": e.total,
             "pieces_bytes": e.pieces(),
             "host_bytes": e.host,
@@ -59,6 +69,15 @@ class Row:
                                     for s in e.segments],
             # [start, stop, kind] per segment, kinds as tightfit.checkpoint.plan names them
             "segments": [[s.start, s.stop, s.kind] for s in e.segments],
+        }
+        return {
+            "name": self.name,
+            "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "tight": self.tight,
+            "not_applicable": self.not_applicable,
+            **figures,
             "setup": {k: (list(v) if isinstance(v, tuple) else v)
                       for k, v in vars(self.setup).items()},
             "train_args": list(self.train_args),
@@ -127,6 +146,8 @@ def _unit(gpu_bytes: int) -> tuple[str, int]:
 
 
 def _fits(r: Row) -> str:
+    if r.not_applicable is not None:
+        return "n/a"
     if r.fits:
         return "yes"
     if r.tight:
@@ -167,13 +188,18 @@ def _table_lines(report: PlanReport) -> list[str]:
     header += f"{'total':>8}{'host':>8}  {'fits':<5} {'slowdown':>8}"
     lines = [header, "-" * len(header)]
     for i, r in enumerate(rows, 1):
-        p = r.estimate.pieces()
         mark = "*" if r is report.recommended else " "
         line = f"{i:>2}{mark}{r.name:<{name_w}}"
+        e = r.estimate
+        if e is None:  # does not apply: no figures (the note line says why)
+            line += (f"{'-':>10}" if maxed else "") + f"{'-':>8}" * (len(_COLUMNS) + 2)
+            lines.append(line + f"  {_fits(r):<5} {'-':>8}")
+            continue
         if maxed:
             line += f"{r.maximum or 0:>10,}"
+        p = e.pieces()
         line += "".join(f"{p[k] / scale:>8.2f}" for _, k in _COLUMNS)
-        line += f"{r.estimate.total / scale:>8.2f}{r.estimate.host / scale:>8.2f}"
+        line += f"{e.total / scale:>8.2f}{e.host / scale:>8.2f}"
         line += f"  {_fits(r):<5} {r.slowdown:>7.2f}x"
         lines.append(line)
     return lines
@@ -181,6 +207,8 @@ def _table_lines(report: PlanReport) -> list[str]:
 
 def _row_notes(r: Row, layers: int) -> list[str]:
     e, setup = r.estimate, r.setup
+    if e is None:
+        return [f"n/a: {r.not_applicable}"]
     extra = []
     if r.limit is not None:
         extra.append(f"limit: {r.limit}")
@@ -207,7 +235,7 @@ def _row_notes(r: Row, layers: int) -> list[str]:
 def _answer_lines(report: PlanReport) -> list[str]:
     rows = report.rows
     r = report.recommended
-    if r is None:
+    if r is None or r.estimate is None:
         return _nothing_fits(report)
     headroom = report.gpu_bytes - r.estimate.total
     if report.maximize is not None:
@@ -226,10 +254,11 @@ def _answer_lines(report: PlanReport) -> list[str]:
 def _nothing_fits(report: PlanReport) -> list[str]:
     """Why no row is recommended: the smallest total any row needs, and the tight rows."""
     rows = report.rows
-    smallest = min(rows, key=lambda r: r.estimate.total)
+    total, smallest = min(((r.estimate.total, i) for i, r in enumerate(rows)
+                           if r.estimate is not None), default=(0, 0))
     room = format_bytes(report.gpu_bytes - report.margin_bytes)
-    need = (f"the smallest configuration (#{rows.index(smallest) + 1} {smallest.name}) needs "
-            f"{format_bytes(smallest.estimate.total)}; {room} of "
+    need = (f"the smallest configuration (#{smallest + 1} {rows[smallest].name}) needs "
+            f"{format_bytes(total)}; {room} of "
             f"{format_bytes(report.gpu_bytes)} may be filled with the margin")
     if report.maximize is not None:
         unit = "tokens" if report.maximize == "seq" else "sequences"

@@ -357,7 +357,7 @@ def verify_report(report: PlanReport) -> list[Verified]:
     """
     out: list[Verified] = []
     for row in report.rows:
-        why = unavailable(row.setup)
+        why = row.not_applicable or unavailable(row.setup)
         if why is not None:
             out.append({"name": row.name, "pieces": [], "skipped": why})
             continue

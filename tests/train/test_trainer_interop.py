@@ -54,7 +54,9 @@ def test_trainer_evaluate_with_compute_metrics_gets_the_logits(tmp_path) -> None
     the logits, and the eval loss is HF's own."""
     from tightfit.loss import disable_chunked_loss
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    # hidden 64: bitsandbytes 0.50's CPU inference kernel (eval runs it; training does not)
+    # reshapes absmax per row and fails for rows shorter than a 64-value block
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False)
     model = tightfit.prepare(LlamaForCausalLM(cfg), checkpoint="every", loss_chunks=16,

@@ -72,6 +72,42 @@ def test_quiet_and_verbose(tmp_path, tiny_dir, capsys) -> None:
     assert "note:" in out and "step 1 done: loss" in out and "step 2 done: loss" in out
 
 
+def test_quiet_prints_only_warnings_and_errors_and_nothing_twice(tmp_path, tiny_dir,
+                                                                  capfd) -> None:
+    """Issue 28 item 5: -q train and -q export --merge print their results alone: no
+    transformers "Loading weights" / "Writing model shards" bars, no datasets bars, no
+    FutureWarning from peft's calls; a refused data file is one message, not datasets' too."""
+    import warnings
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 50}" for i in range(2000)))
+    out = tmp_path / "run"
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["-q", "train", "--model", str(tiny_dir), "--data", str(text), "--out",
+                     str(out), "--steps", "1", *ARGS]) == 0
+        trained = capfd.readouterr()
+        assert main(["-q", "export", str(out), "--merge"]) == 0
+        exported = capfd.readouterr()
+    assert trained.err == "" and exported.err == "", (trained.err, exported.err)
+    assert trained.out.startswith(f"wrote {out}/:")
+    assert exported.out.split() == ["adapter", str(out / "export" / "adapter"),
+                                    "merged", str(out / "export" / "merged")]
+    shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning,
+                                                             PendingDeprecationWarning))]
+    assert not shown, [str(w.message) for w in shown]  # what Python would print by default
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 3 + '{"text": "cut\n')
+    assert main(["-q", "train", "--model", str(tiny_dir), "--data", str(bad), "--out",
+                 str(tmp_path / "never"), *ARGS]) == 2
+    refused = capfd.readouterr()
+    assert refused.out == ""
+    assert " ".join(refused.err.split()) == (
+        f"tightfit train: error: data file {str(bad)!r} is not valid JSON / JSON Lines: line 4, "
+        "column 10: Unterminated string starting; fix the file.")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGINT, 130, "interrupted"),
                                                    (signal.SIGTERM, 143, "terminated (SIGTERM)")])

@@ -34,6 +34,7 @@ from tightfit.qlora.quantize import linear4bit_layers
 from tightfit.train import model as builtin
 from tightfit.train import resume
 from tightfit.train.data.tokenizer import has_hf_tokenizer, tokenizer_folder
+from tightfit.train.quiet import library_bars, no_library_deprecations
 from tightfit.train.run_options import RunConfig
 
 
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``tightfit export``: write the export and say what was written."""
-    files = export(args.run, out=args.out, merge=args.merge, dtype=args.dtype)
+    with library_bars(not getattr(args, "quiet", False)):  # -q: no "Loading weights" bars
+        files = export(args.run, out=args.out, merge=args.merge, dtype=args.dtype)
     for key, path in files.items():
         print(f"  {key:8s} {path}")
     return 0
@@ -132,7 +134,8 @@ def merged_model(cfg: RunConfig, adapter: Path, dtype: torch.dtype) -> nn.Module
             # GPT-2's Conv1D stores [in, out]: the quantized Linear held its transpose
             target = w.t() if type(layer).__name__ == "Conv1D" else w
             layer.weight.copy_(target.to(layer.weight.dtype))
-    model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    with no_library_deprecations():  # transformers' FutureWarnings at peft's calls
+        model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     model = model.to(dtype)
     model.config.use_cache = True  # training turned it off; generation wants it
     return model

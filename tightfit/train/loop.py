@@ -36,6 +36,7 @@ from tightfit.train.eval import evaluate
 from tightfit.train.memory import optimizer_stats
 from tightfit.train.plots import plot_loss, plot_ranks, plot_timeline
 from tightfit.train.predicted import predicted_without_pass
+from tightfit.train.quiet import library_bars
 from tightfit.train.run_options import RunConfig, TrainOptions
 from tightfit.train.run_setup import Run, setup
 from tightfit.train.step import StepOutOfMemory, example_on, run_step
@@ -77,7 +78,8 @@ def train(
 
     Args:
         cfg: The run's options.
-        progress: Show a progress bar (loss, tokens/s, device-tier occupancy).
+        progress: Show a progress bar (loss, tokens/s, device-tier occupancy); without it
+            transformers' and datasets' bars are off too.
         log: Where messages go (default: the ``tightfit.train`` logger at INFO).
 
     Returns:
@@ -89,12 +91,13 @@ def train(
             completed step is saved.
         StepOutOfMemory: a step ran out of memory twice; the last completed step is saved.
     """
-    run = setup(cfg, progress=progress, log=log or logger.info)
-    try:
-        run_steps(run)
-        return finish(run)
-    finally:
-        close_run(run)
+    with library_bars(progress):  # without a bar of ours, none of transformers' or datasets'
+        run = setup(cfg, progress=progress, log=log or logger.info)
+        try:
+            run_steps(run)
+            return finish(run)
+        finally:
+            close_run(run)
 
 
 def run_steps(run: Run) -> None:

@@ -163,8 +163,36 @@ def test_train_args_parse_as_tightfit_train_options() -> None:
             s.seq_len, s.batch_size, s.lora_r)
         assert cfg.prepare.quant == ("nf4" if s.quant == "nf4" else None)
         assert (cfg.prepare.checkpoint or "none") == s.checkpoint
-        assert cfg.prepare.checkpoint_budget == (s.checkpoint_budget if s.checkpoint == "budget"
-                                                 else None)
+        if s.checkpoint == "budget":  # a readable size, rounded down (by < 1 % of its unit)
+            assert s.checkpoint_budget - 2**30 // 100 < cfg.prepare.checkpoint_budget \
+                <= s.checkpoint_budget
+        else:
+            assert cfg.prepare.checkpoint_budget is None
+        if s.paged:  # whole pages: exact
+            assert cfg.optimizer.device_budget == s.optimizer_device_budget
         assert cfg.prepare.loss_chunks == s.loss_chunk_tokens
         assert cfg.optimizer.kind == s.optimizer
         assert (cfg.lora.dtype, cfg.lora.dropout) == (s.lora_dtype, s.lora_dropout)
+
+
+def test_the_recommended_command_reads_as_typed(tmp_path) -> None:  # noqa: ANN001
+    from tightfit.planner.train_args import size_arg
+
+    report = plan("llama-3-8b", "24GiB", seq_len=4096, batch_size=2, host_ram="64GiB")
+    rec = report.recommended
+    assert rec is not None and rec.setup.checkpoint == "budget"
+    budget = size_arg(rec.setup.checkpoint_budget)
+    assert budget.endswith("GiB") and parse_bytes(budget) <= rec.setup.checkpoint_budget
+    command = next(line for line in str(report).splitlines() if "tightfit train" in line)
+    assert f"--checkpoint-budget {budget} " in command and "--model DIR " in command  # a preset
+    assert size_arg(15924214945) == "14.83GiB" and size_arg(3 * 8 * 2**20) == "24MiB"
+    # a folder (or its config.json) is what train takes: printed as given, quoted
+    folder = tmp_path / "my model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}))
+    for given in (folder, folder / "config.json", f"{folder}/"):
+        report = plan(given, "1GiB", seq_len=64, overhead=0)
+        assert str(report.to_dict()["model_dir"]).rstrip("/") == str(folder), given
+        assert f"tightfit train --model '{folder}" in str(report), given

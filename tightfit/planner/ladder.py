@@ -28,7 +28,7 @@ from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Overhead, estimate, untiled_mlp
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
-from tightfit.planner.presets import ModelShape, load_shape
+from tightfit.planner.presets import ModelShape, load_shape, model_folder
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
@@ -281,7 +281,7 @@ def plan(
     return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
                       _notes(sizing, maximize, granularity), host=sizing.host,
                       maximize=maximize, granularity=granularity,
-                      margin_bytes=sizing.margin_bytes)
+                      margin_bytes=sizing.margin_bytes, model_dir=model_folder(model))
 
 
 def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,

@@ -101,6 +101,18 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 PRESETS: dict[str, ModelShape] = {n: shape_from_config(c, name=n) for n, c in _CONFIGS.items()}
 
 
+def model_folder(model: str | Path | ModelShape | dict[str, Any]) -> str | None:
+    """The folder ``tightfit train --model`` takes for what :func:`load_shape` reads: a
+    folder as given, the folder of a ``config.json``; ``None`` for a preset, a dict, a shape
+    or another JSON file (no model folder is known)."""
+    if not isinstance(model, str | Path) or str(model).strip().lower() in PRESETS:
+        return None
+    path = Path(model)
+    if path.is_dir():
+        return str(model)
+    return str(path.parent) if path.name == "config.json" else None
+
+
 def load_shape(model: str | Path | ModelShape | dict[str, Any]) -> ModelShape:
     """A model shape from a preset name, a ``config.json`` path (or its folder), or a dict.
 

@@ -100,6 +100,7 @@ class PlanReport:
     maximize: str | None = None
     granularity: int = 1
     margin_bytes: int = 0
+    model_dir: str | None = None  # the model folder, when plan was given one (or its config)
 
     def to_dict(self) -> dict[str, Any]:
         host = self.host
@@ -117,6 +118,7 @@ class PlanReport:
             "granularity": self.granularity,
             "rows": [r.to_dict() for r in self.rows],
             "recommended": None if self.recommended is None else self.recommended.name,
+            "model_dir": self.model_dir,
             "notes": list(self.notes),
         }
 
@@ -247,7 +249,10 @@ def _answer_lines(report: PlanReport) -> list[str]:
         lines = [f"recommended: #{rows.index(r) + 1} {r.name} — "
                  f"{format_bytes(r.estimate.total)} predicted, "
                  f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time"]
-    lines.append("  tightfit train --model DIR " + " ".join(shlex.quote(a) for a in r.train_args))
+    # the folder plan read the config of; DIR for a preset (its weights are not here)
+    model = "DIR" if report.model_dir is None else shlex.quote(report.model_dir)
+    lines.append(f"  tightfit train --model {model} "
+                 + " ".join(shlex.quote(a) for a in r.train_args))
     return lines
 
 

@@ -8,7 +8,31 @@ the values need no translation: a :class:`TrainSetup` holds the same dtype names
 
 from __future__ import annotations
 
+from tightfit.measure.sizes import parse_bytes
 from tightfit.planner.train_setup import TrainSetup
+
+_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
+def size_arg(nbytes: int) -> str:
+    """``nbytes`` as a size ``tightfit train`` reads back (its byte options go through
+    :func:`~tightfit.measure.sizes.parse_bytes`) to at most ``nbytes``: a whole number of GiB
+    or MiB when it is one (a paged budget of whole pages: ``"96MiB"``), else the largest unit
+    it fills to two decimals, rounded down (``15924214945`` -> ``"14.83GiB"``, 0.6 MiB less; at most 1 % of the unit).
+    """
+    for unit, size in _UNITS[:2]:
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    for unit, size in _UNITS:
+        if nbytes >= size:
+            hundredths = nbytes * 100 // size
+            while True:  # parse_bytes multiplies a float: step down until it reads <= nbytes
+                whole, cents = divmod(hundredths, 100)
+                text = f"{whole}.{cents:02d}".rstrip("0").rstrip(".") + unit
+                if parse_bytes(text) <= nbytes:
+                    return text
+                hundredths -= 1
+    return str(nbytes)
 
 
 def train_args(setup: TrainSetup) -> tuple[str, ...]:
@@ -27,7 +51,7 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
         args += ["--lora-target-modules", ",".join(setup.lora_target_modules)]
     args += ["--checkpoint", setup.checkpoint]
     if setup.checkpoint == "budget" and setup.checkpoint_budget:
-        args += ["--checkpoint-budget", str(setup.checkpoint_budget)]
+        args += ["--checkpoint-budget", size_arg(setup.checkpoint_budget)]
     args += ["--loss-chunks",
              "none" if setup.loss_chunk_tokens is None else str(setup.loss_chunk_tokens)]
     # the planned row's activation placement, exactly: "auto" could tile or offload on its own
@@ -35,5 +59,5 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
              "--mlp-tile", "none" if setup.mlp_tile is None else str(setup.mlp_tile)]
     args += ["--optimizer", setup.optimizer]
     if setup.paged and setup.optimizer_device_budget is not None:
-        args += ["--device-budget", str(setup.optimizer_device_budget)]
+        args += ["--device-budget", size_arg(setup.optimizer_device_budget)]
     return tuple(args)

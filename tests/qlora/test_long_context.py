@@ -101,7 +101,8 @@ def test_a_machine_too_small_for_the_plain_step_is_profiled_from_crops(
     lowest, ref = every
     # a machine with room for the crops' unchecked steps but not the full one's; crops of
     # at most T / 2 tokens of the example
-    monkeypatch.setattr(prepare_module, "machine_room", lambda dev: int(1.2 * lowest))
+    monkeypatch.setattr(prepare_module, "machine_room",
+                        lambda dev: long_step.Room(int(1.2 * lowest), "a test's machine"))
     monkeypatch.setattr(long_step, "CROP_TOKENS", T // 2)
     budget = int(0.6 * lowest)
     model = _prepare(base, checkpoint_budget=budget)
@@ -137,7 +138,7 @@ def test_a_budget_only_offload_meets_puts_activations_in_the_spill_file(
 def test_a_budget_no_plan_meets_names_the_smallest_peak_and_leaves_no_plan(base: tuple) -> None:
     model, example = base
     target = copy.deepcopy(model)
-    with pytest.raises(ValueError, match=r"smallest plan of the plain model needs \d+ bytes.*"
+    with pytest.raises(ValueError, match=r"smallest plan of the plain model needs [\d.]+ MiB.*"
                                          r"MLPs tiled in \d+ tokens.*smallest peak any "
                                          r"checkpoint plan reaches.*offloaded to the") as e:
         tightfit.prepare(target, example=example, device="cpu", lora=LORA,

@@ -50,6 +50,7 @@ from tightfit.loss import (
     is_chunked_loss_enabled,
     logit_transform_of,
 )
+from tightfit.measure.sizes import format_bytes
 from tightfit.tiers.spill import check_spill_dir
 
 CROP_TOKENS = 2048  # tokens of a step (batch × sequence) in the longer crop of a long example
@@ -59,6 +60,16 @@ MIN_TILE = 64  # tiles below this many tokens make inefficient matmuls (tiling's
 MARGIN_FRACTION = 0.05  # of the device's memory, kept free beside the plan (fragmentation)
 MARGIN_BYTES = 256 << 20
 _MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Room:
+    """Bytes a step could add on its device, and what bounds them, for messages ("the
+    memory cgroup's limit (1.00 GiB) less the 412 MiB this process uses");
+    :func:`tightfit.pressure.room.machine_room` reads it."""
+
+    bytes: int
+    limit: str
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
                      offload: OffloadMode, offload_host_budget: int | None, offload_dir: str | None,
                      mlp_tile: int | Literal["auto"] | None,
                      loss_chunks: int | Literal["auto"] | None,
-                     compute_dtype: torch.dtype, adapters: Adapters, room: int) -> ActivationPlan:
+                     compute_dtype: torch.dtype, adapters: Adapters, room: Room) -> ActivationPlan:
     """Install the checkpoint plan (with offload, tiles and a loss chunk when a long step
     needs them) and say what was installed.
 
@@ -119,7 +130,8 @@ def plan_activations(model: nn.Module, example: Any, dev: torch.device, *,
             loss_chunks: As :class:`tightfit.PrepareOptions` names them.
         compute_dtype: The dtype of the matmuls.
         adapters: The LoRA adapters on the layers (for the MLP tile's prediction).
-        room: Bytes a step could add on ``dev`` now (:func:`tightfit.pressure.room.machine_room`).
+        room: Bytes a step could add on ``dev`` now, and what bounds them
+            (:func:`tightfit.pressure.room.machine_room`).
     """
     # prepare returns the model to train, and a plan is profiled on a training step: in eval
     # mode (from_pretrained's) the chunked loss also returns the full logits and the profile
@@ -176,15 +188,15 @@ class _LongStep:
     compute_dtype: torch.dtype
     adapters: Adapters
 
-    def budget_plan(self, checkpoint_budget: int | None, room: int) -> Plan:
+    def budget_plan(self, checkpoint_budget: int | None, room: Room) -> Plan:
         model, example, dev = self.model, self.example, self.dev
         capacity, source = checkpoint_budget, "checkpoint_budget"
         if capacity is None and dev.type == "cuda":
-            capacity, source = step_capacity(model, dev, room), "free CUDA memory"
-        crops, ext = _crops(model, example, room)
-        fits_machine = ext is None or ext.peak_bytes <= room
+            capacity, source = step_capacity(model, dev, room), f"of {room.limit}"
+        crops, ext = _crops(model, example, room.bytes)
+        fits_machine = ext is None or ext.peak_bytes <= room.bytes
         if capacity is None and not fits_machine:
-            capacity, source = step_capacity(model, dev, room), "the memory free on this machine"
+            capacity, source = step_capacity(model, dev, room), f"of {room.limit}"
         if capacity is None:
             return self._halfway()  # the CPU without a budget
         plain = profile(model, example) if fits_machine else ext
@@ -235,8 +247,9 @@ class _LongStep:
                 disable_chunked_loss(model)
                 enable_chunked_loss(model, self.loss_chunks)  # type: ignore[arg-type]
             offload = self.tier["offload"]
-            raise ValueError(f"the smallest plan of the plain model needs {lowest} bytes, above "
-                             f"the {capacity} the step may use ({source}); with "
+            raise ValueError(f"the smallest plan of the plain model needs "
+                             f"{format_bytes(lowest)}, above the {format_bytes(capacity)} the "
+                             f"step may use ({source}); with "
                              f"{', '.join(tried + [f'offload={offload}'])}: {e}") from e
         if chunk is not None:
             out.loss_chunks = chunk
@@ -290,17 +303,29 @@ def _halfway_budget(prof: Any, notes: list[str]) -> int:
     return budget
 
 
-def step_capacity(model: nn.Module, dev: torch.device, room: int) -> int:
+def step_capacity(model: nn.Module, dev: torch.device, room: Room) -> int:
     """What a step's activations may take of ``room``: less the gradients and an AdamW state
-    of the trainable parameters (made after prepare) and a margin."""
+    of the trainable parameters (made after prepare) and a margin.
+
+    Raises:
+        ValueError: nothing is left (the message names the limit and each part).
+    """
     trainable = sum(p.numel() * (p.element_size() + 8) for p in model.parameters()
                     if p.requires_grad)
-    total = room
+    total = room.bytes
     if dev.type == "cuda":
         total = torch.cuda.mem_get_info(dev)[1]
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         total = int(total * (fraction(dev) if callable(fraction) else 1.0))
-    return max(1, int(room - trainable - MARGIN_FRACTION * total - MARGIN_BYTES))
+    margin = int(MARGIN_FRACTION * total + MARGIN_BYTES)
+    capacity = room.bytes - trainable - margin
+    if capacity <= 0:
+        raise ValueError(f"no room is left for a step's activations: {room.limit} leaves "
+                         f"{format_bytes(room.bytes)}, and the trainable parameters' gradients "
+                         f"and optimizer state take {format_bytes(trainable)} beside a margin of "
+                         f"{format_bytes(margin)}; free memory or raise the limit, or train a "
+                         "smaller model.")
+    return capacity
 
 
 def _crops(model: nn.Module, example: Any, room: int) -> tuple[tuple[int, int] | None, Any]:

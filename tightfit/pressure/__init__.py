@@ -2,7 +2,8 @@
 
 Here:
     probes: ``Probe`` and its kinds (CUDA, process RSS, memory cgroup).
-    room: ``machine_room``, the bytes a step could still add (what long-step planning reads).
+    room: ``machine_room``, the bytes a step could still add and what bounds them (the
+        ``Room`` long-step planning reads).
     cgroup: the memory cgroup's limit and usage (v1 and v2).
     highwater: a probe's high-water mark between steps.
     target: ``default_target`` and the target's forms (fraction, bytes, "auto", None).

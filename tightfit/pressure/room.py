@@ -11,25 +11,32 @@ from __future__ import annotations
 import psutil
 import torch
 
+from tightfit.checkpoint.long_step import Room
+from tightfit.measure.sizes import format_bytes
 from tightfit.pressure.probes import RSSProbe, cgroup_memory_limit
 from tightfit.tiers.regions import meminfo
 
 
-def machine_room(dev: torch.device) -> int:
+def machine_room(dev: torch.device) -> Room:
     """Bytes a step could add on ``dev`` now (see the module docstring)."""
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         allocated = torch.cuda.memory_allocated(dev)
         room = free + torch.cuda.memory_reserved(dev) - allocated
+        limit = "the CUDA device's free memory"
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if callable(fraction):
-            room = min(room, int(fraction(dev) * total) - allocated)
-        return int(room)
-    rooms = [mem_available()]
-    limit = cgroup_memory_limit()
-    if limit is not None:
-        rooms.append(limit - RSSProbe().used_bytes())
-    return max(0, min(rooms))
+        if callable(fraction) and int(fraction(dev) * total) - allocated < room:
+            room = int(fraction(dev) * total) - allocated
+            limit = f"this process's CUDA memory fraction ({fraction(dev):g} of the device)"
+        return Room(max(0, int(room)), limit)
+    available = mem_available()
+    rooms = [Room(max(0, available), "the RAM available (MemAvailable)")]
+    cap = cgroup_memory_limit()
+    if cap is not None:
+        used = RSSProbe().used_bytes()
+        rooms.append(Room(max(0, cap - used), f"the memory cgroup's limit ({format_bytes(cap)}) "
+                                              f"less the {format_bytes(used)} this process uses"))
+    return min(rooms, key=lambda r: r.bytes)
 
 
 def mem_available() -> int:

@@ -18,7 +18,7 @@ from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
 LrSchedule = Literal["constant", "linear", "cosine"]
-DataFormat = Literal["auto", "raw", "text", "prompt-completion", "chat"]
+DataFormat = Literal["auto", "raw", "text", "prompt-completion", "alpaca", "chat"]
 Batching = Literal["bucket", "pack"]
 TooLong = Literal["truncate", "refuse"]
 
@@ -26,6 +26,7 @@ TooLong = Literal["truncate", "refuse"]
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "prompt-completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "input", "output"),  # input optional (records.OPTIONAL)
     "chat": ("messages",),
 }
 _FIELD_NAMES = sorted({f for names in FORMAT_FIELDS.values() for f in names})
@@ -164,8 +165,9 @@ class DataOptions:
     )
     format: DataFormat = field(
         default="auto",
-        metadata={"help": "raw (plain text, cut into --seq-len blocks), text, prompt-completion "
-                          "or chat records (auto: from the file type and the columns)"},
+        metadata={"help": "raw (plain text, cut into --seq-len blocks), text, prompt-completion, "
+                          "alpaca (instruction/input/output) or chat records (auto: from the "
+                          "file type and the columns)"},
     )
     fields: str | None = field(
         default=None,
@@ -174,8 +176,9 @@ class DataOptions:
     )
     completion_only: bool = field(
         default=True,
-        metadata={"help": "loss on completions only (prompt-completion) and on assistant turns "
-                          "only (chat); --no-completion-only trains on every token"},
+        metadata={"help": "loss on completions only (prompt-completion; alpaca's output) and on "
+                          "assistant turns only (chat); --no-completion-only trains on every "
+                          "token"},
     )
     batching: Batching = field(
         default="bucket",

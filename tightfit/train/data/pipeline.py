@@ -7,6 +7,7 @@ folder, removed on any error and when the run ends).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from tightfit.train.data.records import (
     resolve_format,
     tokenize_records,
     tokenize_text,
+    unused_columns,
 )
 from tightfit.train.data.sources import (
     DataCache,
@@ -29,7 +31,9 @@ from tightfit.train.data.sources import (
     quiet_datasets,
 )
 from tightfit.train.data.tokenizer import Tokenizer
-from tightfit.train.run_options import DataOptions
+from tightfit.train.run_options import FORMAT_FIELDS, DataOptions
+
+logger = logging.getLogger("tightfit.train.data")
 
 
 @dataclass
@@ -124,6 +128,8 @@ def _read(path: str | None, opts: DataOptions, tok: Tokenizer, seq_len: int,
                          "template; pass --model with a chat model's folder (its "
                          "chat_template.jinja, or chat_template in tokenizer_config.json), "
                          "or give the data as prompt/completion records.")
+    if opts.fields:
+        _warn_unused(ds, fmt, opts, source.where)
     recipe = Recipe(fmt, opts.field_map(), seq_len, opts.too_long, opts.completion_only)
     try:
         table = tokenize_records(ds, recipe, tok, cache)
@@ -131,6 +137,20 @@ def _read(path: str | None, opts: DataOptions, tok: Tokenizer, seq_len: int,
         raise ValueError(f"{locate(source, exc.index, cache)}: the record {exc.problem}.") from None
     records = Records(table)
     return fmt, records, "", records.fingerprint(), source.where
+
+
+def _warn_unused(ds: Any, fmt: str, opts: DataOptions, where: str) -> None:
+    """Say which columns a ``--fields`` mapping leaves out that hold text (Alpaca's input
+    under ``--fields prompt=instruction,completion=output``): they would not be trained on."""
+    fields = opts.field_map()
+    read = " and ".join(repr(fields[f]) for f in FORMAT_FIELDS[fmt] if fields[f] in ds.column_names)
+    for column, full in unused_columns(ds, fmt, fields):
+        fix = ("for Alpaca records (instruction and input as the prompt) drop --fields or pass "
+               "--format alpaca" if fmt == "prompt-completion" and column == fields["input"]
+               else "map it with --fields, or drop the column if it is not to be learned")
+        logger.warning(f"column {column!r} of {where} holds text in {full:,} of {len(ds):,} "
+                       f"records but is not trained on: --fields {opts.fields} reads {read} "
+                       f"as {fmt}; {fix}.")
 
 
 def _as_requested(source: Source, fmt: str) -> Source:

@@ -4,6 +4,9 @@
   appended when it has one);
 * ``prompt-completion``: prompt tokens (with the tokenizer's own special tokens) then
   completion tokens and EOS; with ``completion_only`` the prompt's labels are -100;
+* ``alpaca``: ``instruction``, ``input`` (optional, may be empty) and ``output``, as
+  prompt-completion with the instruction (and the input, when it has text) in the Alpaca
+  prompt layout as the prompt and the output as the completion;
 * ``chat``: ``messages`` rendered by the model's chat template; with ``completion_only``
   only the assistants' tokens are trained.
 
@@ -23,6 +26,16 @@ from tightfit.train.data.tokenizer import ChatError, Tokenizer
 from tightfit.train.run_options import FORMAT_FIELDS
 
 IGNORE = -100  # the label transformers' losses skip
+OPTIONAL = frozenset({"input"})  # fields a format reads when their column is there
+# The Stanford Alpaca prompt (tatsu-lab/stanford_alpaca's PROMPT_DICT) with alpaca-lora's
+# newline after "### Response:", so the output's tokens start on a line of their own.
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that "
+                 "provides further context. Write a response that appropriately completes the "
+                 "request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
+                 "### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response "
+                          "that appropriately completes the request.\n\n### Instruction:\n"
+                          "{instruction}\n\n### Response:\n")
 KEEP, TRUNCATED, DROPPED = 0, 1, 2
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -52,26 +65,52 @@ def resolve_format(columns: list[str], fmt: str, fields: dict[str, str], where: 
     Raises:
         ValueError: the columns a format needs are missing, or several formats fit.
     """
+    def needs(name: str) -> list[str]:  # an optional field is needed once --fields maps it
+        return [f for f in FORMAT_FIELDS[name] if f not in OPTIONAL or fields[f] != f]
+
     def fits(name: str) -> bool:
-        return all(fields[f] in columns for f in FORMAT_FIELDS[name])
+        return all(fields[f] in columns for f in needs(name))
 
     if fmt != "auto":
         if not fits(fmt):
-            need = [fields[f] for f in FORMAT_FIELDS[fmt]]
-            raise ValueError(f"{where} has no column {[c for c in need if c not in columns]} for "
-                             f"--format {fmt}; its columns are {columns}; map yours with "
-                             f"--fields {FORMAT_FIELDS[fmt][0]}=COLUMN.")
+            need = [fields[f] for f in needs(fmt)]
+            missing = [c for c in need if c not in columns]
+            name = next(f for f in needs(fmt) if fields[f] in missing)
+            raise ValueError(f"{where} has no column {missing} for --format {fmt}; its columns "
+                             f"are {columns}; map yours with --fields {name}=COLUMN.")
         return fmt
-    found = [name for name in ("chat", "prompt-completion", "text") if fits(name)]
+    found = [name for name in ("chat", "prompt-completion", "alpaca", "text") if fits(name)]
+    mapped = {name for name, column in fields.items() if name != column}
+    if len(found) > 1 and mapped:  # --fields names the format it maps for
+        found = [name for name in found if mapped & set(FORMAT_FIELDS[name])] or found
     if len(found) == 1:
         return found[0]
     if found:
         raise ValueError(f"{where} has columns for several formats ({', '.join(found)}); pass "
                          "--format to choose one.")
     raise ValueError(f"{where} has columns {columns}, none of a record format: 'text', "
-                     "'prompt' + 'completion', or 'messages'; map yours with --fields (e.g. "
-                     "--fields prompt=question,completion=answer) or pass --format raw to train "
-                     "on the file's text as it is.")
+                     "'prompt' + 'completion', 'instruction' + 'output' (Alpaca, 'input' too "
+                     "when it has one) or 'messages'; map yours with --fields (e.g. --fields "
+                     "prompt=question,completion=answer) or pass --format raw to train on the "
+                     "file's text as it is.")
+
+
+def unused_columns(ds: Any, fmt: str, fields: dict[str, str]) -> list[tuple[str, int]]:
+    """Columns named like a record field that ``fmt`` does not read, with the number of
+    records in which they hold text (the ones with none left out): what a ``--fields`` mapping
+    for another format's data would silently drop (Alpaca's ``input``)."""
+    read = {fields[f] for f in FORMAT_FIELDS[fmt]}
+    named = {c for names in FORMAT_FIELDS.values() for c in (*names, *(fields[n] for n in names))}
+    out = []
+    for column in ds.column_names:
+        if column in read or column not in named:
+            continue
+        full = sum(isinstance(v, str) and bool(v.strip())
+                   for batch in ds.select_columns([column]).iter(batch_size=10_000)
+                   for v in batch[column])
+        if full:
+            out.append((column, full))
+    return out
 
 
 def tokenize_records(ds: Any, recipe: Recipe, tok: Tokenizer, cache: DataCache) -> Any:
@@ -127,15 +166,37 @@ def _encode(batch: dict[str, list[Any]], indices: list[int], recipe: Recipe,
     if recipe.format == "text":
         texts = [_string(i, t, f["text"], "text") for i, t in zip(indices, batch[f["text"]])]
         return [(ids + eos, ids + eos) for ids in tok.encode_batch(texts, special=True)]
-    prompts = [_string(i, t, f["prompt"], "prompt") for i, t in zip(indices, batch[f["prompt"]])]
-    completions = [_string(i, t, f["completion"], "completion")
-                   for i, t in zip(indices, batch[f["completion"]])]
+    if recipe.format == "alpaca":
+        prompts = _alpaca_prompts(batch, indices, f)
+        completions = [_string(i, t, f["output"], "output")
+                       for i, t in zip(indices, batch[f["output"]])]
+    else:
+        prompts = [_string(i, t, f["prompt"], "prompt")
+                   for i, t in zip(indices, batch[f["prompt"]])]
+        completions = [_string(i, t, f["completion"], "completion")
+                       for i, t in zip(indices, batch[f["completion"]])]
     out = []
     for p, c in zip(tok.encode_batch(prompts, special=True),
                     tok.encode_batch(completions, special=False)):
         ids = p + c + eos
         masked = [IGNORE] * len(p) if recipe.completion_only else p
         out.append((ids, masked + c + eos))
+    return out
+
+
+def _alpaca_prompts(batch: dict[str, list[Any]], indices: list[int],
+                    f: dict[str, str]) -> list[str]:
+    """Each record's instruction (and input, when it has text) in the Alpaca layout."""
+    inputs = batch.get(f["input"], [None] * len(indices))
+    out = []
+    for i, instruction, extra in zip(indices, batch[f["instruction"]], inputs):
+        instruction = _string(i, instruction, f["instruction"], "instruction")
+        if extra is not None and not isinstance(extra, str):
+            raise RecordError(i, f"has a {type(extra).__name__} in {f['input']!r}, not text")
+        if extra and extra.strip():
+            out.append(ALPACA_PROMPT.format(instruction=instruction, input=extra))
+        else:
+            out.append(ALPACA_PROMPT_NO_INPUT.format(instruction=instruction))
     return out
 
 

@@ -129,9 +129,12 @@ def configure_logging(verbose: int = 0, quiet: bool = False) -> None:
     out, err = _CurrentStream("stdout"), _CurrentStream("stderr")
     out.addFilter(_Below(logging.WARNING))
     err.setLevel(logging.WARNING)
+    from tightfit.report.text import WrappingFormatter  # light: no torch
+
     for h in (out, err):
         h.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(h)
+    out.setFormatter(WrappingFormatter())  # notes wrap at 100 columns; an error stays one line
     logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
 

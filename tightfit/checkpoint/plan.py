@@ -10,6 +10,7 @@ their backward, are recomputed, or are recomputed from an input kept on the next
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -168,7 +169,9 @@ class Plan:
                          "of a step")
         lines.extend(self._tier_lines())
         lines.extend(self._segment_lines())
-        lines.extend(f"  note: {n}" for n in self.notes)
+        lines.extend(textwrap.fill(f"note: {n}", 100, initial_indent="  ",
+                                   subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False) for n in self.notes)
         return "\n".join(lines)
 
     def _tier_lines(self) -> list[str]:
@@ -178,8 +181,8 @@ class Plan:
         allowed = ("" if t.offload_host_budget is None
                    else f" of {t.offload_host_budget / mib:.1f} MiB allowed")
         lines = [f"  next tier ({t.name:<4})     {self.host_bytes / mib:10.1f} MiB{allowed}; "
-                 f"{t.bandwidth / 1e9:.2f} GB/s + {1e3 * t.latency_s:.2f} ms a move, "
-                 f"{'overlapped with compute' if t.overlap else 'not overlapped'}"]
+                 f"{t.bandwidth / 1e9:.2f} GB/s + {1e3 * t.latency_s:.2f} ms a move",
+                 f"  {'':<19}  moves {'' if t.overlap else 'not '}overlapped with compute"]
         if self.predicted_move_fraction is not None:
             lines.append(f"  predicted moves      {100 * self.predicted_move_fraction:9.1f} % "
                          "of a step (not hidden behind compute)")
@@ -202,9 +205,9 @@ class Plan:
                         f"  {moved / mib:9.2f}  {ms:8.2f}")
             lines.append(row)
         if prof is not None:
-            lines.append(f"  {'tail':>9}  {'stored':<18}  {'':>9}  "
+            lines.append(f"  {'head+loss':>9}  {'stored':<18}  {'':>9}  "
                          f"{prof.tail_saved_bytes / mib:9.2f}  {0:9.2f}  "
-                         f"{1e3 * prof.tail_forward_s:8.2f}   (head + loss after the chain)")
+                         f"{1e3 * prof.tail_forward_s:8.2f}")
         return lines
 
 

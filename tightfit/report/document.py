@@ -4,7 +4,11 @@ A :class:`MemoryReport` holds one :class:`Piece` per memory piece (what the byte
 without it and are with it, measured; ``used`` says whether the piece ran at all), and, when a
 training run filled them in, the step's memory as measured (``step``), what paging did
 (``paging``) and each piece measured beside what ``tightfit plan`` predicted for the same
-setup (``predicted``). :mod:`tightfit.report.report` measures the pieces.
+setup (``predicted``), and the run's memory over all its steps (``run``).
+:mod:`tightfit.report.report` measures the pieces.
+
+The text form (:meth:`MemoryReport.table`) fits 100 columns: the table drops the column of
+pains (in report.json and report.md) and wraps its labels, long lines wrap.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tightfit.report.text import WIDTH, pack, text_table, wrap
+
 MiB = 1 << 20
+#: Detail keys whose values are bytes (printed in MiB; report.json keeps the bytes).
+_BYTE_KEYS = frozenset({"device", "host", "disk", "peak_device", "paged_in", "paged_out"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,11 @@ class MemoryReport:
         step: The training step's memory, measured: ``device`` and ``host`` dicts of bytes
             (``peak_bytes``, ``end_of_step_bytes``, ``counted_bytes``; ``rss_bytes``,
             ``rss_peak_bytes``) and ``how`` (what measured them).
-        paging: What the optimizer's pager did over the run (moves, bytes, time, retries).
+        paging: What the optimizer's pager did in the process that ended the run (since the
+            start, or since the last resume: ``since_step``): moves, bytes, time, retries.
+        run: The run's memory over all its steps, those before a resume included: the
+            largest end-of-step total and the highest high-water mark on the device
+            (``total_bytes``, ``peak_bytes``), the steps resumed at, steps retried.
         predicted: ``{"piece", "measured", "predicted"}`` per piece of ``tightfit plan``'s
             model for the same setup (empty when the planner has no model of the run).
     """
@@ -75,6 +87,7 @@ class MemoryReport:
     step: dict[str, Any] = field(default_factory=dict)
     paging: dict[str, Any] = field(default_factory=dict)
     predicted: list[dict[str, Any]] = field(default_factory=list)
+    run: dict[str, Any] = field(default_factory=dict)
 
     def piece(self, name: str) -> Piece:
         """The row called ``name``."""
@@ -91,40 +104,57 @@ class MemoryReport:
             d["with"] = d.pop("with_")
             d["saved_bytes"] = p.saved_bytes
             rows.append(d)
-        return {"meta": self.meta, "pieces": rows, "step": self.step, "paging": self.paging,
-                "predicted": self.predicted}
+        return {"meta": self.meta, "pieces": rows, "step": self.step, "run": self.run,
+                "paging": self.paging, "predicted": self.predicted}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
     def _rows(self) -> list[list[str]]:
         return [[p.name, p.pain, f"{p.without} {_mib(p.without_bytes)}",
-                 f"{p.with_} {_mib(p.with_bytes)}",
-                 "off" if not p.used else "—" if p.ratio is None else f"{p.ratio:.3f}"]
-                for p in self.pieces]
+                 f"{p.with_} {_mib(p.with_bytes)}", _ratio(p)] for p in self.pieces]
 
     _HEAD = ["piece", "memory pain it targets", "without", "with (measured)", "with/without"]
 
     def table(self) -> str:
-        """A plain-text table for the terminal, then the step, paging and plan lines."""
-        lines = _text_table(self._HEAD, self._rows())
-        lines += [f"  {line}" for line in self._detail_lines()]
-        lines += self._run_lines()
+        """The terminal's form (≤ 100 columns): the pieces (without their pains, which
+        report.json and report.md give), their details, then the step, run, paging and plan
+        lines."""
+        lines = ["memory per piece, without it and with it (measured; ratio = with / without):"]
+        rows = [[p.name, p.without, _num(p.without_bytes), p.with_, _num(p.with_bytes),
+                 _ratio(p)] for p in self.pieces]
+        lines += text_table(["piece", "without", "MiB", "with (measured)", "MiB", "ratio"],
+                            rows, wrap_columns=(0, 1, 3), right=(2, 4))
+        lines += [wrap(f"  {line}", indent=4) for line in self._detail_lines(in_mib=True)]
+        lines += [wrap(line) for line in self._run_lines(terminal=True)]
         if self.predicted:
             lines += ["", "measured vs predicted by tightfit plan (the same setup):"]
-            lines += [f"  {line}" for line in _text_table(*self._predicted_rows())]
+            lines += [f"  {line}" for line in text_table(*self._predicted_rows(), width=98,
+                                                         wrap_columns=(0,), right=(1, 2, 3))]
         return "\n".join(lines)
 
-    def _detail_lines(self) -> list[str]:
-        return [f"{p.name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in p.detail.items())
+    def _detail_lines(self, in_mib: bool = False) -> list[str]:
+        return [f"{p.name}: " + ", ".join(f"{k}={_detail(k, v, in_mib)}"
+                                          for k, v in p.detail.items())
                 for p in self.pieces if p.detail]
 
-    def _run_lines(self) -> list[str]:
+    def _run_lines(self, terminal: bool = False) -> list[str]:
+        """The step, run and paging lines; ``terminal``: the paging line split in four and
+        the measuring method left to report.json / report.md."""
         lines = []
         if self.step:
-            lines.append("step memory (measured): " + step_text(self.step))
+            how = f" [{self.step['how']}]" if self.step.get("how") and not terminal else ""
+            lines += (pack(step_parts(self.step), "step memory (measured): ") if terminal
+                      else ["step memory (measured): " + step_text(self.step) + how])
+        if self.run:
+            head, figures, how = run_parts(self.run)
+            one = f"{head}: {figures}"
+            lines += (([one] if len(one) <= WIDTH else [head, f"  {figures}"]) + [f"  {how}"]
+                      if terminal else [f"{one} {how}"])
         if self.paging:
-            lines.append("paging: " + paging_text(self.paging))
+            parts = paging_parts(self.paging)
+            lines += ([f"paging: {parts[0]}", *(f"  {x}" for x in parts[1:])] if terminal
+                      else ["paging: " + "; ".join(parts)])
         return lines
 
     def _predicted_rows(self) -> tuple[list[str], list[list[str]]]:
@@ -191,8 +221,9 @@ class MemoryReport:
         return paths
 
 
-def step_text(step: dict[str, Any]) -> str:
-    """The step's memory in one line: device peak and end of step, host RSS and its peak."""
+def step_parts(step: dict[str, Any]) -> list[str]:
+    """The step's memory: device peak and end of step, the pieces counted, host RSS and its
+    peak."""
     dev, host = step.get("device", {}), step.get("host", {})
     parts = []
     if dev.get("peak_bytes") is not None:
@@ -203,26 +234,63 @@ def step_text(step: dict[str, Any]) -> str:
         parts.append(f"pieces counted {_mib(dev['counted_bytes'])}")
     if host.get("rss_bytes") is not None:
         parts.append(f"host RSS {_mib(host['rss_bytes'])}, peak {_mib(host['rss_peak_bytes'])}")
-    how = f" [{step['how']}]" if step.get("how") else ""
-    return "; ".join(parts) + how
+    return parts
 
 
-def paging_text(p: dict[str, Any]) -> str:
-    """What the pager did, in one line."""
+def step_text(step: dict[str, Any]) -> str:
+    """The step's memory in one line (:func:`step_parts`)."""
+    return "; ".join(step_parts(step))
+
+
+def run_parts(run: dict[str, Any]) -> list[str]:
+    """The run's memory over all its steps: the steps (and those resumed at), the largest
+    end-of-step total and the highest high-water mark on the device, how they were measured."""
+    resumed = run.get("resumed_at") or []
+    at = (f", resumed at step{'s' if len(resumed) > 1 else ''} {', '.join(map(str, resumed))}"
+          if resumed else "")
+    return [f"run (steps {run.get('first_step')}-{run.get('last_step')}{at})",
+            f"device total {_mib(run.get('total_bytes'))} at most, peak "
+            f"{_mib(run.get('peak_bytes'))}", f"({run.get('measured_as')})"]
+
+
+def paging_parts(p: dict[str, Any]) -> list[str]:
+    """What the pager did: the target, the moves, the bytes and time, the out-of-memory count."""
     if p.get("target_bytes") is not None:
         head = f"target {_mib(p['target_bytes'])} ({p.get('target_option')})"
     else:
         head = f"no target ({p.get('target_option')})"
+    if p.get("since_step"):
+        head += f"; since the resume at step {p['since_step']}"
     share = p.get("pressure_share")
-    return (
-        f"{head}; {p.get('evictions', 0)} evictions ({_mib(p.get('evicted_bytes', 0))} off the "
-        f"device), {p.get('restores', 0)} restores ({_mib(p.get('restored_bytes', 0))} back); "
+    return [
+        head,
+        f"{p.get('evictions', 0)} evictions ({_mib(p.get('evicted_bytes', 0))} off the device), "
+        f"{p.get('restores', 0)} restores ({_mib(p.get('restored_bytes', 0))} back)",
         f"{_mib(p.get('bytes_paged_in', 0))} paged in, {_mib(p.get('bytes_paged_out', 0))} out "
         f"in all; {p.get('pressure_seconds', 0.0):.2f} s on pressure"
-        + (f" ({100 * share:.1f} % of step time)" if share is not None else "")
-        + f"; out of memory: {p.get('oom_recoveries', 0)} recovered inside step(), "
-        f"{p.get('oom_retries', 0)} steps retried"
-    )
+        + (f" ({100 * share:.1f} % of step time)" if share is not None else ""),
+        f"out of memory: {p.get('oom_recoveries', 0)} recovered inside step(), "
+        f"{p.get('oom_retries', 0)} steps retried",
+    ]
+
+
+def paging_text(p: dict[str, Any]) -> str:
+    """What the pager did, in one line."""
+    return "; ".join(paging_parts(p))
+
+
+def _num(n: int | float) -> str:
+    return f"{n / MiB:.2f}"
+
+
+def _ratio(p: Piece) -> str:
+    return "off" if not p.used else "—" if p.ratio is None else f"{p.ratio:.3f}"
+
+
+def _detail(key: str, v: Any, in_mib: bool) -> str:
+    if in_mib and isinstance(v, int) and (key in _BYTE_KEYS or key.endswith("_bytes")):
+        return _mib(v)
+    return _fmt(v)
 
 
 def _mib(n: int | float | None) -> str:
@@ -233,14 +301,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-
-
-def _text_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    table = [head, *rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:

@@ -5,7 +5,9 @@ Per step, :class:`StepMemory` records what a person watching the machine would s
 * on CUDA, the allocator's bytes at the end of the step (``memory_allocated``) and its
   high-water mark so far (``max_memory_allocated``), plus the process's RSS on the host;
 * on the CPU, where device and host are one place, the process's RSS at the end of the step
-  (``/proc/self/statm``) and its high-water mark so far (``getrusage``).
+  (``/proc/self/statm``) and its high-water mark so far (``getrusage``);
+* the count of steps this process has measured (``process_step``: 1 on the first step of a
+  run and on the first step after each resume, where the high-water marks start again).
 
 Nothing is reset: the high-water marks are the process's (other readers of them, the
 pager's probes among them, see every transient), so a spike shows as a step up of the line,
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from tightfit.pressure.probes import RSSProbe
+from tightfit.report.text import wrap
 
 MiB = 1 << 20
 
@@ -30,10 +33,12 @@ class StepMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._rss = RSSProbe()
+        self._steps = 0
 
     def end_step(self) -> dict[str, int | None]:
         """``mem_total``, ``mem_peak`` (CUDA only, so far; ``None`` on the CPU), ``host_rss``
-        and ``host_rss_peak`` (so far) in bytes, as of now."""
+        and ``host_rss_peak`` (so far) in bytes, as of now, and ``process_step``."""
+        self._steps += 1
         rss = self._rss.used_bytes()
         if self.device.type == "cuda":
             total = torch.cuda.memory_allocated(self.device)
@@ -42,7 +47,14 @@ class StepMemory:
             total, peak = rss, None
         # the kernel updates its high-water mark lazily: it may trail the RSS just read
         return {"mem_total": int(total), "mem_peak": peak, "host_rss": rss,
-                "host_rss_peak": max(rss, RSSProbe.process_peak_bytes())}
+                "host_rss_peak": max(rss, RSSProbe.process_peak_bytes()),
+                "process_step": self._steps}
+
+
+def resumed_at(history: list[dict[str, Any]]) -> list[int]:
+    """The steps a run was resumed at (each the saved step a new process started from): one
+    before each record that is the first of its process (``process_step`` 1) but not step 1."""
+    return [h["step"] - 1 for h in history if h.get("process_step") == 1 and h["step"] > 1]
 
 
 def optimizer_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -57,7 +69,11 @@ def optimizer_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def pressure_note(optimizer: torch.optim.Optimizer, target_option: object) -> str:
-    """One line saying whether, and how, the optimizer keeps the device under a target."""
+    """Whether, and how, the optimizer keeps the device under a target (≤ 100 columns)."""
+    return wrap(_pressure_text(optimizer, target_option))
+
+
+def _pressure_text(optimizer: torch.optim.Optimizer, target_option: object) -> str:
     stats = optimizer_stats(optimizer)
     target = stats.get("target_bytes")
     if target is None:
@@ -66,8 +82,8 @@ def pressure_note(optimizer: torch.optim.Optimizer, target_option: object) -> st
         if target_option is None:
             return "pressure: off (--target none)"
         return ("pressure: off (--target auto acts on CUDA, or on the CPU under a memory "
-                "cgroup limit; pass --target BYTES to keep this process's RSS under it)")
+                "cgroup limit;\n  pass --target BYTES to keep this process's RSS under it)")
     watched = "watching the model's blocks" if "watch_reads" in stats else "not watching"
     how = "auto" if target_option == "auto" else f"--target {target_option}"
-    return (f"pressure: target {target / MiB:,.1f} MiB ({how}); {watched}: optimizer pages "
+    return (f"pressure: target {target / MiB:,.1f} MiB ({how}); {watched}:\n  optimizer pages "
             "leave the device before a spike passes it and come back after")

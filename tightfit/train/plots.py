@@ -1,5 +1,10 @@
 """The run's pictures: the loss curve, the memory timeline and, under torchrun, memory per rank.
 
+The loss curve shows the training loss, the eval loss where the run evaluated and the
+learning rate on a second axis (after a resume with more ``--steps`` a decaying schedule
+starts again from higher up), with a vertical line at each step the run was resumed at
+(:func:`loss_curves` is what it draws).
+
 The timeline shows, per step, the memory in use (the total at the end of the step, its peak,
 the target and the measured activation peak), the optimizer state on the device tier, and the
 bytes paged in and out (both drawn upward, each labelled); a panel with nothing to show (no
@@ -13,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tightfit.train.memory import resumed_at
+
 MiB = 1 << 20
 
 
@@ -25,16 +32,43 @@ def _plt() -> Any:
     return plt
 
 
+def loss_curves(history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the loss plot draws: ``loss``, ``eval`` and ``lr`` as ``(steps, values)`` (empty
+    where the history has none) and ``resumed_at``, the steps a resume started from."""
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    return {"loss": series("loss"), "eval": series("eval_loss"), "lr": series("lr"),
+            "resumed_at": resumed_at(list(history))}
+
+
 def plot_loss(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Training loss per step and, where the run evaluated, the eval loss beside it (PNG)."""
+    """Training loss per step, the eval loss where the run evaluated, the learning rate (a
+    second axis) and the steps resumed at (PNG)."""
     plt = _plt()
+    curves = loss_curves(history)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1.2,
-            label="training loss")
-    evals = [(h["step"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
-    if evals:
-        ax.plot(*zip(*evals), "o-", ms=4, lw=1.2, color="#d62728", label="eval loss")
-        ax.legend(fontsize=8)
+    ax.plot(*curves["loss"], lw=1.2, label="training loss")
+    if curves["eval"][0]:
+        ax.plot(*curves["eval"], "o-", ms=4, lw=1.2, color="#d62728", label="eval loss")
+    for i, step in enumerate(curves["resumed_at"]):
+        steps = ", ".join(map(str, curves["resumed_at"]))
+        ax.axvline(step, color="#7f7f7f", ls="--", lw=1,
+                   label=None if i else f"resumed at step {steps}")
+    handles, labels = ax.get_legend_handles_labels()
+    top = ax
+    if curves["lr"][0]:
+        top = ax.twinx()  # drawn above the loss axes: the legend goes on it
+        top.plot(*curves["lr"], lw=1, color="#2ca02c", alpha=0.8, label="learning rate")
+        top.set_ylabel("learning rate", color="#2ca02c")
+        top.tick_params(axis="y", colors="#2ca02c")
+        top.yaxis.set_major_formatter(lambda v, _: f"{v:.1e}" if v else "0")
+        top.set_ylim(bottom=0)
+        more = top.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if len(handles) > 1:
+        top.legend(handles, labels, fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("tightfit train: loss")
@@ -118,6 +152,9 @@ def _memory_panel(ax: Any, history: Sequence[dict[str, Any]], events: Sequence[A
     if xs:
         ax.scatter(xs, ys, s=16, color="#ff7f0e", zorder=3,
                    label="activation peak of the step (measured, above what was live)")
+    for i, step in enumerate(resumed_at(list(history))):
+        ax.axvline(step, color="#7f7f7f", ls="--", lw=1,
+                   label=None if i else "resumed (a new process: its marks start again)")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
 

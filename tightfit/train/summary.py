@@ -3,7 +3,8 @@
 :func:`describe_run` fills a measured :class:`~tightfit.report.document.MemoryReport` with
 what only the training run knows: each step's total and peak memory (device and host, as
 :class:`~tightfit.train.memory.StepMemory` recorded them), the pager's moves, bytes, time on
-pressure and out-of-memory retries, and every piece beside what ``tightfit plan`` predicted
+pressure and out-of-memory retries, the run's memory over all its steps (those before a
+resume included: :func:`run_memory`), and every piece beside what ``tightfit plan`` predicted
 for the same setup (:mod:`tightfit.train.predicted`).
 """
 
@@ -12,18 +13,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tightfit.report.document import MemoryReport
+from tightfit.train.memory import resumed_at
 from tightfit.train.predicted import compare, planned_estimate
 
 if TYPE_CHECKING:
     from tightfit.train.run_setup import Run
 
 _PAGING_KEYS = ("target_bytes", "evictions", "restores", "evicted_bytes", "restored_bytes",
-                "bytes_paged_in", "bytes_paged_out", "pressure_seconds", "stall_seconds",
-                "oom_recoveries", "watch_reads", "watch_seconds", "over_target_reads")
+                "evict_events", "restore_events", "bytes_paged_in", "bytes_paged_out",
+                "pressure_seconds", "stall_seconds", "oom_recoveries", "watch_reads",
+                "watch_seconds", "over_target_reads")
+# counts a paged optimizer without a target has not got: nothing moved under pressure
+_ZERO_WITHOUT_TARGET = {"evictions": 0, "restores": 0, "evicted_bytes": 0, "restored_bytes": 0,
+                        "pressure_seconds": 0.0}
 
 
 def describe_run(report: MemoryReport, run: Run, stats: dict[str, Any]) -> None:
-    """Fill ``report.step``, ``report.paging`` and ``report.predicted`` from the run.
+    """Fill ``report.step``, ``report.run``, ``report.paging`` and ``report.predicted``.
 
     Args:
         report: The report measured at the end of the run.
@@ -33,6 +39,7 @@ def describe_run(report: MemoryReport, run: Run, stats: dict[str, Any]) -> None:
     """
     history = [h for h in run.history if "mem_total" in h]  # this version's records
     report.step = step_memory(report, history, run.device.type)
+    report.run = run_memory(history, run.device.type)
     report.paging = paging_summary(stats, run)
     est, why = planned_estimate(run)
     if est is None:
@@ -74,11 +81,44 @@ def step_memory(report: MemoryReport, history: list[dict[str, Any]], device: str
     }
 
 
+def run_memory(history: list[dict[str, Any]], device: str) -> dict[str, Any]:
+    """The run's memory over every step it recorded, in each process it ran in.
+
+    ``total_bytes`` is the largest end-of-step total (CUDA: ``memory_allocated``; CPU: the
+    process RSS) and ``peak_bytes`` the highest high-water mark (CUDA:
+    ``max_memory_allocated``; CPU: the RSS high-water mark), each the largest over the
+    processes of the run (each resume starts a new process, and its marks start again).
+    ``resumed_at`` lists the steps the run was resumed at (the saved step each process
+    started from); the bytes paged and the steps retried are summed over all steps.
+    """
+    if not history:
+        return {}
+    cuda = device == "cuda"
+    peaks = [h.get("mem_peak" if cuda else "host_rss_peak") for h in history]
+    return {
+        "first_step": history[0]["step"],
+        "last_step": history[-1]["step"],
+        "steps": len(history),
+        "resumed_at": resumed_at(history),
+        "total_bytes": max(h["mem_total"] for h in history),
+        "peak_bytes": max((p for p in peaks if p is not None), default=None),
+        "measured_as": ("CUDA allocator: memory_allocated at the end of a step, "
+                        "max_memory_allocated" if cuda else
+                        "CPU: process RSS at the end of a step, its high-water mark"),
+        "bytes_paged_in": sum(h.get("paged_in", 0) for h in history),
+        "bytes_paged_out": sum(h.get("paged_out", 0) for h in history),
+        "oom_retries": sum(bool(h.get("oom_retry")) for h in history),
+    }
+
+
 def paging_summary(stats: dict[str, Any], run: Run) -> dict[str, Any]:
-    """What the pager did over the run, with the out-of-memory retries of the loop."""
+    """What the pager did in this process (since ``since_step``: 0, or the step resumed at),
+    with the out-of-memory retries of the loop."""
     if not callable(getattr(run.optimizer, "memory_stats", None)):
         return {}
-    out: dict[str, Any] = {k: stats[k] for k in _PAGING_KEYS if k in stats}
+    out: dict[str, Any] = dict(_ZERO_WITHOUT_TARGET)
+    out.update({k: stats[k] for k in _PAGING_KEYS if k in stats})
+    out["since_step"] = run.start
     target = run.cfg.optimizer.target
     out["target_option"] = f"--target {'none' if target is None else target}"
     out["oom_retries"] = run.oom_retries

@@ -10,6 +10,7 @@ default; a change to a default that forgets the docs fails here.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import re
 from dataclasses import fields
@@ -26,7 +27,8 @@ from tightfit.train.train_command import _option_keys, config_from_args
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # A default that is "not set" reads as one of these in the docs, by what it then means.
-UNSET = {"none", "auto", "all", "built-in", "stdlib source", "pager's", "temp folder", ""}
+UNSET = {"none", "auto", "all", "built-in", "stdlib source", "pager's", "temp folder",
+         "the model folder's", ""}
 
 
 def _train_defaults() -> dict[str, object]:
@@ -104,3 +106,51 @@ def test_lora_defaults_are_the_recipe_for_every_field() -> None:
     defaults = _train_defaults()
     for f in fields(LoraOptions):
         assert defaults[f"--lora-{f.name.replace('_', '-')}"] == getattr(lora, f.name)
+
+
+def _plan_defaults() -> dict[str, object]:
+    parser = build_parser("plan")
+    sub = next(a for a in parser._actions if a.dest == "command").choices["plan"]
+    return {a.option_strings[0]: a.default for a in sub._actions if a.option_strings
+            and a.option_strings[0].startswith("--") and a.default is not argparse.SUPPRESS}
+
+
+# What plan and train ask about differs here on purpose: plan sizes a real model's step
+# (2048 tokens x 1, bf16 on a GPU), the built-in demo's is 128 x 8; train's "auto" compute
+# dtype is bf16 on CUDA, as plan assumes.
+PLAN_ONLY = {"--seq-len": (2048, 128), "--batch-size": (1, 8),
+             "--compute-dtype": ("bfloat16", "auto")}
+
+
+def test_plan_flags_default_to_plan_and_share_train_defaults() -> None:
+    import tightfit
+
+    signature = {f"--{k.replace('_', '-')}": p.default
+                 for k, p in inspect.signature(tightfit.plan).parameters.items()}
+    flags = _plan_defaults()
+    differ = {f: (v, signature[f]) for f, v in flags.items()
+              if f in signature and f not in ("--margin", "--model") and v != signature[f]}
+    assert differ == {}, "tightfit plan's flags vs tightfit.plan()'s defaults"
+    train = _train_defaults()
+    shared = sorted(set(flags) & set(train))
+    assert {"--lora-r", "--lora-dropout", "--lora-dtype", "--lora-target-modules"} <= set(shared)
+    for f in shared:
+        want = PLAN_ONLY.get(f, (train[f], train[f]))
+        assert (flags[f], train[f]) == want, f
+
+
+def test_docs_state_plan_defaults() -> None:
+    # docs/plan.md names each option with its default in brackets: `--lora-r` (16)
+    text = (DOCS / "plan.md").read_text()
+    flags = _plan_defaults()
+    said = {f: v for f, v in re.findall(r"`(--[\w-]+)` \(([^)`]+)\)", text)}
+    checked = {f: v for f, v in said.items()
+               if f in flags and flags[f] is not None and not isinstance(flags[f], bool)}
+    assert {"--lora-r", "--lora-dropout", "--batch-size", "--slack"} <= set(checked)
+    for flag, doc in checked.items():
+        # "(16)", "(float32; bfloat16 as ...)", "(all-linear: every projection ...)",
+        # "(CUDA context, workspaces: 1 GiB)": the value before or after the explanation
+        clause = doc.split(";")[0]
+        values = {clause.partition(":")[0], clause.rpartition(":")[2]}
+        assert any(_reads_as(v.replace(" ", ""), flags[flag]) for v in values), \
+            (flag, doc, flags[flag])

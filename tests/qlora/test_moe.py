@@ -59,8 +59,6 @@ def tiny(family: str, **kw) -> nn.Module:
 
 
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
-# the steps compared below draw no dropout masks (the recipe's default is 0.05)
-NO_DROPOUT = {"dropout": 0.0}
 
 
 def experts_of(model: nn.Module) -> dict[str, nn.Module]:
@@ -198,9 +196,7 @@ def test_one_expert_is_dequantized_at_a_time() -> None:
 
 
 def test_full_precision_experts_use_peft_as_is() -> None:
-    # full-precision experts take no dropout (peft's ParamWrapper; prepare says so)
-    pm = tightfit.prepare(tiny("mixtral"), quant=None, checkpoint=None, loss_chunks=None,
-                          lora=NO_DROPOUT)
+    pm = tightfit.prepare(tiny("mixtral"), quant=None, checkpoint=None, loss_chunks=None)
     wrappers = [m for m in pm.modules() if type(m).__name__ == "ParamWrapper"]
     assert wrappers and all(type(m).__module__.startswith("peft.") for m in wrappers)
     _, grads = step(pm, batch())
@@ -210,10 +206,8 @@ def test_full_precision_experts_use_peft_as_is() -> None:
 def test_checkpoint_plan_and_chunked_loss_give_the_same_step() -> None:
     b = batch()
     base = tiny("mixtral")
-    plain = tightfit.prepare(copy.deepcopy(base), checkpoint=None, loss_chunks=None,
-                             lora=NO_DROPOUT)
-    stacked = tightfit.prepare(copy.deepcopy(base), checkpoint="every", loss_chunks=16,
-                               lora=NO_DROPOUT)
+    plain = tightfit.prepare(copy.deepcopy(base), checkpoint=None, loss_chunks=None)
+    stacked = tightfit.prepare(copy.deepcopy(base), checkpoint="every", loss_chunks=16)
     for n, p in plain.named_parameters():
         if "lora_B" in n:
             nn.init.normal_(p, std=0.05)
@@ -228,10 +222,9 @@ def test_checkpoint_plan_and_chunked_loss_give_the_same_step() -> None:
 
 def test_bf16_compute_trains_fp32_adapters_as_the_fp32_run_does() -> None:
     base, b = tiny("mixtral"), batch()
-    fp32 = tightfit.prepare(copy.deepcopy(base), checkpoint=None, loss_chunks=None,
-                            lora=NO_DROPOUT)
+    fp32 = tightfit.prepare(copy.deepcopy(base), checkpoint=None, loss_chunks=None)
     bf16 = tightfit.prepare(copy.deepcopy(base), checkpoint=None, loss_chunks=None,
-                            compute_dtype="bfloat16", lora=NO_DROPOUT)
+                            compute_dtype="bfloat16")
     bf16.load_state_dict({n: p for n, p in fp32.state_dict().items() if "lora_" in n},
                          strict=False)
     assert all(p.dtype == torch.float32 for p in bf16.parameters() if p.requires_grad)

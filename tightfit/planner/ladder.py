@@ -33,8 +33,10 @@ from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_
 from tightfit.planner.table import PlanReport, Row
 from tightfit.planner.train_args import train_args
 from tightfit.planner.train_setup import TrainSetup
+from tightfit.qlora.prepare_options import LoraOptions
 
 PAGE_BYTES = DEFAULT_PAGE_BYTES  # the paged optimizers' page size
+_LORA = LoraOptions()  # tightfit train's and prepare's LoRA defaults are the plan's
 # Smallest MLP tile the ladder plans: below it a tile's matmuls (tile × hidden × intermediate)
 # get too small to keep a GPU busy (an assumption, like QUANT_SLOWDOWN).
 MIN_MLP_TILE = 1024
@@ -214,10 +216,10 @@ def plan(
     *,
     seq_len: int = 2048,
     batch_size: int = 1,
-    lora_r: int = 16,
-    lora_target_modules: tuple[str, ...] | str = "all-linear",
-    lora_dropout: float = 0.0,
-    lora_dtype: str = "float32",
+    lora_r: int = _LORA.r,
+    lora_target_modules: tuple[str, ...] | str = _LORA.target_modules,
+    lora_dropout: float = _LORA.dropout,
+    lora_dtype: str = _LORA.dtype,
     compute_dtype: str = "bfloat16",
     overhead: str | int = "1GiB",
     slack: float = 0.05,

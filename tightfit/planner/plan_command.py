@@ -36,6 +36,7 @@ with the reason on its note line.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 
@@ -46,60 +47,72 @@ _VERIFY_MAX_PARAMS = 60_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``tightfit plan``."""
+    """Options of ``tightfit plan``; each default is :func:`tightfit.plan`'s (whose LoRA
+    defaults are :class:`~tightfit.LoraOptions`', tightfit train's)."""
+    from tightfit.planner.ladder import DEFAULT_MARGIN, plan
     from tightfit.planner.presets import PRESETS
 
+    d = {k: p.default for k, p in inspect.signature(plan).parameters.items()}
+    targets = d["lora_target_modules"]
+    targets = targets if isinstance(targets, str) else ",".join(targets)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     # let "--gpu -3GB" reach parse_bytes (which explains the error) instead of argparse
     # taking "-3GB" for an option
     parser._negative_number_matcher = re.compile(r"^-\d*\.?\d+[A-Za-z]*$")
     parser.add_argument("--model", required=True, metavar="CONFIG|PRESET",
                         help="an HF config.json (or its folder) or a preset: " + ", ".join(PRESETS))
-    parser.add_argument("--gpu", default="24GiB", metavar="SIZE",
-                        help="device memory, e.g. 24GiB, 80GB (default: 24GiB)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    parser.add_argument("--gpu", default=d["gpu"], metavar="SIZE",
+                        help=f"device memory, e.g. 24GiB, 80GB (default: {d['gpu']})")
+    parser.add_argument("--seq-len", type=int, default=d["seq_len"],
+                        help=f"tokens per sequence (default: {d['seq_len']})")
     dtypes = [*DTYPE_NAMES, *SHORT_NAMES]
-    # tightfit train's names and defaults
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="sequences per step (default: 1)")
-    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")
-    parser.add_argument("--lora-target-modules", default="all-linear",
+    # tightfit train's names and LoRA defaults
+    parser.add_argument("--batch-size", type=int, default=d["batch_size"],
+                        help=f"sequences per step (default: {d['batch_size']})")
+    parser.add_argument("--lora-r", type=int, default=d["lora_r"],
+                        help=f"LoRA rank (default: {d['lora_r']})")
+    parser.add_argument("--lora-target-modules", default=targets,
                         help="comma-separated projection names or all-linear (default: every "
                         "projection of the family, MoE experts included)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0,
-                        help="dropout on the adapters' input (default: 0)")
-    parser.add_argument("--lora-dtype", default="float32", choices=dtypes,
+    parser.add_argument("--lora-dropout", type=float, default=d["lora_dropout"],
+                        help=f"dropout on the adapters' input (default: {d['lora_dropout']:g})")
+    parser.add_argument("--lora-dtype", default=d["lora_dtype"], choices=dtypes,
                         help="dtype of the adapters: float32 (peft's default) or bfloat16 as the "
-                        "QLoRA paper's scripts (default: float32)")
-    parser.add_argument("--compute-dtype", default="bfloat16", choices=dtypes,
+                        f"QLoRA paper's scripts (default: {d['lora_dtype']})")
+    parser.add_argument("--compute-dtype", default=d["compute_dtype"], choices=dtypes,
                         help="compute dtype; the short forms bf16, fp16, fp32 also work "
-                        "(default: bfloat16)")
+                        f"(default: {d['compute_dtype']})")
     parser.add_argument("--margin", type=float, default=None, metavar="SHARE",
                         help="share of the device a recommended row leaves free; rows inside it "
-                        "are 'tight' (default: 0.06, the worst held-out error of a predicted total)")
-    parser.add_argument("--overhead", default="1GiB", metavar="SIZE",
-                        help="fixed non-tensor device memory: CUDA context, workspaces (default: 1GiB)")
-    parser.add_argument("--slack", type=float, default=0.05,
-                        help="allocator slack as a fraction of tensor bytes (default: 0.05)")
-    parser.add_argument("--gpu-tflops", type=float, default=100.0,
-                        help="effective TFLOP/s, for the slowdown estimate (default: 100)")
-    parser.add_argument("--link-gbps", type=float, default=20.0,
+                        f"are 'tight' (default: {DEFAULT_MARGIN:g}, the worst held-out error of "
+                        "a predicted total)")
+    parser.add_argument("--overhead", default=d["overhead"], metavar="SIZE",
+                        help="fixed non-tensor device memory: CUDA context, workspaces "
+                        f"(default: {d['overhead']})")
+    parser.add_argument("--slack", type=float, default=d["slack"],
+                        help=f"allocator slack as a fraction of tensor bytes (default: "
+                        f"{d['slack']:g})")
+    parser.add_argument("--gpu-tflops", type=float, default=d["gpu_tflops"],
+                        help=f"effective TFLOP/s, for the slowdown estimate (default: "
+                        f"{d['gpu_tflops']:g})")
+    parser.add_argument("--link-gbps", type=float, default=d["link_gbps"],
                         help="host<->device GB/s, for the paging and offload slowdown estimate "
-                        "(default: 20)")
-    parser.add_argument("--host-ram", default=None, metavar="SIZE",
+                        f"(default: {d['link_gbps']:g})")
+    parser.add_argument("--host-ram", default=d["host_ram"], metavar="SIZE",
                         help="host RAM offloaded activations and optimizer pages are checked "
                         "against (default: this machine's RAM)")
-    parser.add_argument("--pinned-fraction", type=float, default=0.5,
-                        help="part of --host-ram that may be pinned for them (default: 0.5)")
+    parser.add_argument("--pinned-fraction", type=float, default=d["pinned_fraction"],
+                        help="part of --host-ram that may be pinned for them (default: "
+                        f"{d['pinned_fraction']:g})")
     most = parser.add_mutually_exclusive_group()
     most.add_argument("--max-seq", action="store_true",
                       help="for each configuration, the longest sequence (at --batch-size) that "
                       "fits the GPU and the host, capped by the model's position limit")
     most.add_argument("--max-batch", action="store_true",
                       help="for each configuration, the largest batch (at --seq-len) that fits")
-    parser.add_argument("--granularity", type=int, default=1,
+    parser.add_argument("--granularity", type=int, default=d["granularity"],
                         help="with --max-seq/--max-batch: search to a multiple of this many "
-                        "tokens/sequences (default: 1)")
+                        f"tokens/sequences (default: {d['granularity']})")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verify", action="store_true",
                         help="small configs only: run one real step of each configuration on "

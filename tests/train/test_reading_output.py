@@ -108,7 +108,9 @@ def test_a_long_note_and_an_offloading_plan_wrap_onto_indented_lines(tmp_path, t
     data = next(i for i, x in enumerate(lines) if x.startswith("data: 1 text file(s) from"))
     assert lines[data + 1].startswith("  ") and "train.txt" in " ".join(lines[data:data + 4])
     assert "next tier" in out and "head+loss" in out  # the plan, offloading, fits
-    assert "pressure: target 6,144.0 MiB (--target " in out and "\n  optimizer pages" in out
+    assert "pressure: target 6,144.0 MiB (--target 6GiB); watching the model's blocks:\n  " \
+        "optimizer pages" in out
+    assert "paging: target 6144.00 MiB (--target 6GiB)" in out  # as typed, not in bytes
 
 
 def test_pack_breaks_between_parts() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tightfit.planner.train_args import size_arg
 from tightfit.pressure.probes import RSSProbe
 from tightfit.report.text import wrap
 
@@ -68,6 +69,12 @@ def optimizer_stats(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             "bytes_paged_out": 0}
 
 
+def target_flag(target: object) -> str:
+    """``--target``'s value as typed back: bytes as a size (``6GiB``), else as it is."""
+    return size_arg(target) if isinstance(target, int) and not isinstance(target, bool) \
+        else str(target)
+
+
 def pressure_note(optimizer: torch.optim.Optimizer, target_option: object) -> str:
     """Whether, and how, the optimizer keeps the device under a target (≤ 100 columns)."""
     return wrap(_pressure_text(optimizer, target_option))
@@ -84,6 +91,6 @@ def _pressure_text(optimizer: torch.optim.Optimizer, target_option: object) -> s
         return ("pressure: off (--target auto acts on CUDA, or on the CPU under a memory "
                 "cgroup limit;\n  pass --target BYTES to keep this process's RSS under it)")
     watched = "watching the model's blocks" if "watch_reads" in stats else "not watching"
-    how = "auto" if target_option == "auto" else f"--target {target_option}"
+    how = "auto" if target_option == "auto" else f"--target {target_flag(target_option)}"
     return (f"pressure: target {target / MiB:,.1f} MiB ({how}); {watched}:\n  optimizer pages "
             "leave the device before a spike passes it and come back after")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tightfit.report.document import MemoryReport
-from tightfit.train.memory import resumed_at
+from tightfit.train.memory import resumed_at, target_flag
 from tightfit.train.predicted import compare, planned_estimate
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def paging_summary(stats: dict[str, Any], run: Run) -> dict[str, Any]:
     out.update({k: stats[k] for k in _PAGING_KEYS if k in stats})
     out["since_step"] = run.start
     target = run.cfg.optimizer.target
-    out["target_option"] = f"--target {'none' if target is None else target}"
+    out["target_option"] = f"--target {'none' if target is None else target_flag(target)}"
     out["oom_retries"] = run.oom_retries
     step_seconds = sum(h.get("seconds", 0.0) for h in run.history)
     pressure = float(stats.get("pressure_seconds", 0.0))

@@ -209,3 +209,26 @@ def test_gemma2_prepares_with_defaults_and_its_loss_is_soft_capped() -> None:
     assert abs(chunked.item() - ref.item()) <= 1e-6 * ref.item()
     loss.backward()
     assert all(p.grad is not None for p in pm.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("hidden", [32, 64])
+def test_an_eval_forward_leaves_the_4bit_layers_as_training_sees_them(hidden: int) -> None:
+    # bitsandbytes 0.50 repacks a Linear4bit for its AVX512-BF16 CPU kernel at a no-grad
+    # forward (bf16 absmax, kept for every later step; rows under a block fail): prepare keeps
+    # its layers on the one kernel, so an eval between steps changes nothing
+    torch.manual_seed(0)
+    model = tightfit.prepare(tiny(hidden), checkpoint=None, loss_chunks=None, device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    before = [(m.weight.data.clone(), m.weight.quant_state.absmax.clone()) for m in layers]
+    x = torch.randint(0, 128, (2, 16))
+    model.train()
+    with torch.no_grad():
+        train_logits = model(input_ids=x).logits
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(input_ids=x).logits
+    model.train()
+    for m, (w, absmax) in zip(layers, before, strict=True):
+        assert not getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+        assert torch.equal(m.weight.data, w) and torch.equal(m.weight.quant_state.absmax, absmax)
+    assert torch.equal(eval_logits, train_logits)  # LoRA dropout is 0: one function

@@ -214,7 +214,7 @@ def test_instruction_tuning_end_to_end_and_refused_starts_write_nothing(tmp_path
             "--batch-size", "2", "--seq-len", "32", "--eval-fraction", "0.25", "--eval-every",
             "2", "--batching", "pack", "--checkpoint", "none", "--track-every", "0"]
     assert main([*args, "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # notes wrap at 100 columns
     assert "as chat: 18 examples" in printed and "eval loss" in printed
     meta = json.loads((out / "report.json").read_text())["meta"]
     assert meta["data"]["format"] == "chat" and meta["data"]["eval_examples"] == 6

@@ -91,6 +91,12 @@ def quantize_linears(
                 q.bias = nn.Parameter(
                     child.bias.data.to(device, compute_dtype), requires_grad=False
                 )
+            # bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a layer in place at its
+            # first no-grad forward (an eval): absmax becomes bf16 and stays so, so every later
+            # training step computes with other constants (a resumed run is then not
+            # bit-exact), and a row that is not whole blocks fails ("shape '[32, 0]' is
+            # invalid"). A layer that trains keeps the one kernel and the constants it has.
+            q.support_avx512bf16_for_cpu = False
             setattr(module, name, q)
             replaced.append(full)
     return replaced

@@ -29,7 +29,7 @@ def test_trainer_trains_a_prepared_model_with_paged_adamw(tmp_path) -> None:
     data = _Windows(16, 32)
     model = tightfit.prepare(LlamaForCausalLM(cfg), checkpoint="every", loss_chunks=16,
                              lora={"r": 4, "alpha": 8})
-    opt = tightfit.optimizer_for(model, kind="paged_adamw", lr=1e-2, page_bytes=4096,
+    opt = tightfit.optimizer_for(model, "paged_adamw", lr=1e-2, page_bytes=4096,
                                  device_budget=8192, spill_dir=tmp_path / "spill")
     assert isinstance(opt, PagedAdamW)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -54,9 +54,7 @@ def test_trainer_evaluate_with_compute_metrics_gets_the_logits(tmp_path) -> None
     the logits, and the eval loss is HF's own."""
     from tightfit.loss import disable_chunked_loss
 
-    # hidden 64: bitsandbytes 0.50's CPU inference kernel (eval runs it; training does not)
-    # reshapes absmax per row and fails for rows shorter than a 64-value block
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False)
     model = tightfit.prepare(LlamaForCausalLM(cfg), checkpoint="every", loss_chunks=16,

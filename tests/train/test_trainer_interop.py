@@ -29,7 +29,7 @@ def test_trainer_trains_a_prepared_model_with_paged_adamw(tmp_path) -> None:
     data = _Windows(16, 32)
     model = tightfit.prepare(LlamaForCausalLM(cfg), checkpoint="every", loss_chunks=16,
                              lora={"r": 4, "alpha": 8})
-    opt = tightfit.optimizer_for(model, "paged_adamw", lr=1e-2, page_bytes=4096,
+    opt = tightfit.optimizer_for(model, kind="paged_adamw", lr=1e-2, page_bytes=4096,
                                  device_budget=8192, spill_dir=tmp_path / "spill")
     assert isinstance(opt, PagedAdamW)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tightfit.train.data.sources import find_source
+from tightfit.train.data.tokenizer import check_tokenizer
 from tightfit.train.run_options import RunConfig
 
 _DEVICES = ("cpu", "cuda")
@@ -30,14 +31,16 @@ def check_run(cfg: RunConfig) -> None:
         ValueError: a non-finite or non-positive learning rate, an unknown or absent device,
             an output folder that is a file or cannot be made, a model folder whose
             ``config.json`` is not JSON, an empty ``--data`` file or folder.
-        FileNotFoundError: a model folder that is missing or has no ``config.json`` or no
-            weights; a ``--data`` / ``--eval-data`` path that does not exist.
+        FileNotFoundError: a model folder that is missing or has no ``config.json``, weights
+            or tokenizer (without ``--tokenizer``); a ``--data`` / ``--eval-data`` path that
+            does not exist.
     """
     check_numbers(cfg)
     check_device(cfg.train.device)
     check_output(cfg.train.resume, cfg.train.out)
     if cfg.train.model is not None:
         check_model_folder(Path(cfg.train.model))
+    check_tokenizer(cfg.train.model, cfg.train.tokenizer)
     for flag, path in (("--data", cfg.data.path), ("--eval-data", cfg.data.eval_data)):
         if path is not None:
             find_source(path, flag)  # exists, not empty, a folder's files of one kind

@@ -151,19 +151,18 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
     return tokenizer if tokenizer is not None else model
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of a run: ``--tokenizer`` (a folder, or ``bytes``), else the model folder's
-    own; bytes for the built-in model (``model`` ``None``).
+def check_tokenizer(model: str | None, tokenizer: str | None = None) -> str | None:
+    """The folder a run's tokenizer will be read from (``None``: bytes), checked: ``--tokenizer``
+    (a folder, or ``bytes``), else the model folder's own; bytes for the built-in model
+    (``model`` ``None``). Reads no file: ``tightfit train`` calls it before its heavy imports.
 
     Raises:
         FileNotFoundError: the folder has no tokenizer files (a model folder never silently
             trains on bytes: ids 0..255 mean nothing to a model that has its own vocabulary).
     """
     folder = tokenizer_folder(model, tokenizer)
-    if folder is None:
-        return ByteTokenizer()
-    if has_hf_tokenizer(folder):
-        return HFTokenizer(folder)
+    if folder is None or has_hf_tokenizer(folder):
+        return folder
     files = ", ".join(TOKENIZER_FILES[:2])
     if tokenizer is not None:
         what = "does not exist" if not Path(folder).exists() else f"has no tokenizer ({files})"
@@ -173,3 +172,9 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> ByteToken
         f"model folder {folder!r} has no tokenizer ({files}, ...); save the model's tokenizer "
         f"into it with tokenizer.save_pretrained({folder!r}), or pass --tokenizer DIR (or "
         "--tokenizer bytes to train on UTF-8 bytes).")
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a run (:func:`check_tokenizer` says which, and raises as it does)."""
+    folder = check_tokenizer(model, tokenizer)
+    return ByteTokenizer() if folder is None else HFTokenizer(folder)

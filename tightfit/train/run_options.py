@@ -11,6 +11,7 @@ loss still falls from ln 256 ≈ 5.55 to about 4.7 in 120 steps).
 
 from __future__ import annotations
 
+import math
 from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -34,7 +35,7 @@ _FIELD_NAMES = sorted({f for names in FORMAT_FIELDS.values() for f in names})
 # Options a resumed run may change: they do not change the trajectory (the loss, adapter and
 # optimizer state of every step). --steps changes a decaying schedule's horizon; setup says so.
 RESUME_FREE = frozenset({
-    "train.steps", "train.out", "train.resume", "train.save_every", "train.track_every",
+    "train.steps", "train.epochs", "train.out", "train.resume", "train.save_every", "train.track_every",
     "train.eval_every", "train.threads", "train.fsdp", "train.zero3", "optimizer.spill_dir",
     "optimizer.target",  # paging is exact: where the state waits never changes a value
 })
@@ -79,6 +80,11 @@ class TrainOptions:
         metadata={"help": "output folder (default: a new tightfit-out/run-<UTC time> folder)"},
     )
     steps: int = field(default=120, metadata={"help": "training steps (optimizer updates)"})
+    epochs: float | None = field(
+        default=None,
+        metadata={"help": "passes over the training data to train for, instead of --steps "
+                          "(rounded up to whole steps; the log says how many)"},
+    )
     batch_size: int = field(
         default=8, metadata={"help": "sequences per forward pass (under torchrun: all ranks')"}
     )
@@ -138,6 +144,9 @@ class TrainOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
         if self.seq_len < 2:
             raise ValueError(f"--seq-len must be >= 2 tokens, got {self.seq_len}.")
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"--epochs must be a number of passes > 0, got {self.epochs}; "
+                             "e.g. --epochs 3.")
         if self.zero3 and not self.fsdp:
             raise ValueError("--zero3 only applies to FSDP2 sharding; add --fsdp (under torchrun).")
         if self.grad_clip is not None and self.grad_clip <= 0:

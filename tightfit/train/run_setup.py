@@ -8,6 +8,7 @@ step and before anything in the output folder is written. :func:`setup` returns 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -112,6 +113,11 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     _set_threads(t)
     data = _load_data(cfg, progress)
     try:
+        if t.epochs is not None:  # the steps of --epochs, now that the data's size is known
+            steps = math.ceil(t.epochs * data.train.steps_per_epoch())
+            cfg = replace(cfg, train=replace(t, steps=steps))
+            if saved is not None:
+                _check_steps_left(out, cfg.train)
         return _build(cfg, job, out, saved, data, progress, log)
     except BaseException:
         data.close()
@@ -131,6 +137,8 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
     if t.model is None:
         log(builtin.RANDOM_WEIGHTS_NOTE)
     log(data.describe())
+    log(data.summary["preview"])
+    log(data.epochs(t.steps))
 
     example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
     model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example, device=t.device)
@@ -168,15 +176,21 @@ def _check_output_folder(out: Path, t: TrainOptions) -> dict[str, Any] | None:
         if latest is None:
             raise ValueError(f"{str(out)!r} has no complete saved state to resume from; start "
                              "a new run instead of --resume.")
-        done = resume.state_step(latest)  # its files are verified once, when it is loaded
-        if t.steps <= done:
-            raise ValueError(f"the run in {str(out)!r} has done {done} steps; pass --steps N "
-                             f"with N > {done} to train it further.")
+        if t.epochs is None:  # with --epochs the steps are known once the data is read
+            _check_steps_left(out, t)
         return saved
     if resume.latest_state(out) is not None:
         raise ValueError(f"{str(out)!r} already holds a run; pass --resume {out} to continue it "
                          "or choose another --out.")
     return None
+
+
+def _check_steps_left(out: Path, t: TrainOptions) -> None:
+    done = resume.state_step(resume.latest_state(out))  # verified once, when it is loaded
+    if t.steps <= done:
+        more = "--epochs E with more passes" if t.epochs is not None else f"--steps N with N > {done}"
+        raise ValueError(f"the run in {str(out)!r} has done {done} steps; pass {more} to train "
+                         "it further.")
 
 
 def _check_same_config(out: Path, saved: dict[str, Any], flat: dict[str, Any]) -> None:

@@ -150,6 +150,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     in DIR, with the few options a resume may change (:func:`tightfit.train.resume.resumed_config`).
     """
     given = given_options(args)
+    if "train.steps" in given and given.get("train.epochs") is not None:
+        raise ValueError("--steps and --epochs both say how long to train; pass one of them.")
     if given.get("train.resume") is not None:
         from tightfit.train.resume import resumed_config
 

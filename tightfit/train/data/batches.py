@@ -50,6 +50,10 @@ class Batcher:
         epoch = bisect.bisect_right(self._starts, step) - 1
         return [self.collate(rows) for rows in self._plan(epoch)[step - self._starts[epoch]]]
 
+    def steps_per_epoch(self) -> int:
+        """Steps of the first epoch (each epoch's count is close: packing varies a little)."""
+        return len(self._plan(0))
+
     def collate(self, rows: list[list[int]], *, length: int | None = None,
                 mode: str | None = None) -> MicroBatch:
         """One micro-batch: each row one example (bucket) or several packed ones (pack)."""

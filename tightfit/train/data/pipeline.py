@@ -14,6 +14,7 @@ from typing import Any
 from tightfit.train.data.batches import Batcher
 from tightfit.train.data.examples import Blocks, Examples, Records, split
 from tightfit.train.data.records import (
+    IGNORE,
     Recipe,
     RecordError,
     resolve_format,
@@ -65,13 +66,43 @@ class TrainData:
         """One line for the log: what is trained on, and the trained tokens."""
         s = self.summary
         text = (f"data: {s['note'] or s['where']} as {s['format']}: {s['examples']:,} examples, "
-                f"{s['tokens']:,} tokens, {s['targets']:,} trained")
+                f"{s['tokens']:,} tokens, {s['targets']:,} trained ({s['trained']})")
         if s["truncated"] or s["dropped"]:
             text += (f"; {s['truncated']} truncated to --seq-len, {s['dropped']} dropped "
                      "(nothing to train left after truncation)")
         if s.get("eval_examples"):
             text += f"; eval: {s['eval_examples']:,} examples ({s['eval_where']})"
         return text
+
+    def epochs(self, steps: int) -> str:
+        """How many passes over the training data ``steps`` steps make, for the log."""
+        per = self.train.steps_per_epoch()
+        return (f"{steps} steps are {steps / per:.3g} epochs of the data ({per} steps an "
+                f"epoch of {self.summary['examples']:,} examples)")
+
+
+def preview(examples: Examples, tok: Tokenizer, chars: int = 240) -> str:
+    """The first example as text, the tokens the loss sees in [[...]] (its first ``chars``
+    characters; line breaks shown as \\n): what "trained" means, seen once in the log."""
+    ids, labels = examples.get([0])[0]
+    trained = [False, *(y != IGNORE for y in labels[1:])]  # token i is label i's target
+    parts, start, left = [], 0, chars
+    for i in range(1, len(ids) + 1):
+        if left > 0 and (i == len(ids) or trained[i] != trained[start]):
+            text = tok.decode(ids[start:i]).replace("\n", "\\n")
+            cut, left = text[:left], left - len(text)
+            parts.append(f"[[{cut}]]" if trained[start] else cut)
+            start = i
+    more = " ..." if left < 0 else ""
+    return f"example 1, trained tokens in [[...]]: {''.join(parts)}{more}"
+
+
+def _trained(fmt: str, completion_only: bool) -> str:
+    """Which tokens the loss sees, in the words of the data's format."""
+    if fmt == "raw" or not completion_only:
+        return "every token"
+    return {"chat": "the assistant turns' tokens", "text": "every token"}.get(
+        fmt, "the completions' tokens")
 
 
 def load_train_data(opts: DataOptions, tok: Tokenizer, *, seq_len: int, batch_size: int,
@@ -102,7 +133,9 @@ def load_train_data(opts: DataOptions, tok: Tokenizer, *, seq_len: int, batch_si
                    "examples": len(train), "tokens": int(train.lengths.sum()),
                    "targets": train.targets(), "truncated": examples.truncated,
                    "dropped": examples.dropped, "eval_examples": len(held) if held else 0,
-                   "eval_where": eval_where, "batching": opts.batching}
+                   "eval_where": eval_where, "batching": opts.batching,
+                   "trained": _trained(fmt, opts.completion_only),
+                   "preview": preview(train, tok)}
         return TrainData(Batcher(train, **kw), Batcher(held, **kw) if held else None,
                          summary, fp, eval_fp, cache)
     except BaseException:

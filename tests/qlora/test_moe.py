@@ -151,7 +151,7 @@ def test_lora_on_experts_matches_peft_on_the_unquantized_model(family: str, tmp_
     assert all("lora_" in n for n in trainable)
     for name, module in experts_of(pm).items():
         for w, spec in expert_specs(module).items():
-            assert f"{name}.{w}" in pm.tightfit_info.lora_targets
+            assert f"{name}.{w}" in pm.tightfit_info.adapted
             out_f, in_f = spec.out_in
             adapter = [p for n, p in trainable.items() if n.startswith(f"base_model.model.{name}.")
                        and n.count(".base_layer") == (0 if w == "down_proj" else 1)]
@@ -281,7 +281,7 @@ def test_what_cannot_be_done_right_is_refused_before_any_change() -> None:
     # adapters on attention only: the experts are quantized but not adapted, and say so
     pm = tightfit.prepare(model, checkpoint=None, loss_chunks=None,
                           lora={"target_modules": "q_proj,v_proj"})
-    assert not any(".experts" in t for t in pm.tightfit_info.lora_targets)
+    assert not any(".experts" in t for t in pm.tightfit_info.adapted)
     assert "experts.gate_up_proj" in pm.tightfit_info.notes[1]
 
     from transformers import Llama4ForCausalLM, Llama4TextConfig  # experts outside the contract

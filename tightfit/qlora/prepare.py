@@ -47,7 +47,7 @@ class PrepareInfo:
         device: Where the model lives.
         compute_dtype: Dtype of the matmuls and of the unquantized weights.
         quantized: Qualified names of the layers (and MoE expert weights) now in 4 bits.
-        lora_targets: Qualified names of the layers (and MoE expert weights) that got
+        adapted: Qualified names of the layers (and MoE expert weights) that got
             adapters.
         base_numel: Parameters of the base model before any change (what full fine-tuning
             would train).
@@ -64,7 +64,7 @@ class PrepareInfo:
     device: torch.device
     compute_dtype: torch.dtype
     quantized: list[str] = field(default_factory=list)
-    lora_targets: list[str] = field(default_factory=list)
+    adapted: list[str] = field(default_factory=list)
     base_numel: int = 0
     plan: Plan | None = None
     loss_chunks: int | str | None = None
@@ -106,7 +106,7 @@ def load_causal_lm(path: str | os.PathLike[str], *, dtype: torch.dtype | None = 
     return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
 
 
-def _lora_targets(
+def _adapted_names(
     model: nn.Module, lora: LoraOptions, quant: str | None
 ) -> tuple[list[str], list[str]]:
     """The linear layers and the MoE expert weights the LoRA options select (checked before
@@ -149,7 +149,7 @@ def _check_model(
     """Refuse what cannot be done right before anything changes; the LoRA targets."""
     if options.quant is not None or lora is not None:
         check_experts(model)  # 3-D weights outside transformers' fused-experts contract
-    return _lora_targets(model, lora, options.quant) if lora is not None else ([], [])
+    return _adapted_names(model, lora, options.quant) if lora is not None else ([], [])
 
 
 def _auto_device(device: torch.device | str | None) -> torch.device:
@@ -215,7 +215,7 @@ def _prepare(
     model = _take_model(model_or_path)
     targets, expert_targets = _check_model(model, options, lora_opts)
     check_inputs(model, example, options.offload_dir)
-    info = PrepareInfo(options, lora_opts, dev, cdtype, lora_targets=targets + expert_targets)
+    info = PrepareInfo(options, lora_opts, dev, cdtype, adapted=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
     try:

@@ -12,7 +12,7 @@ Here:
         Ctrl-C, the step's record.
     data: ``--data`` through ``datasets``: formats, labels, examples, batches (a package).
     schedule, eval: the learning rate of each step; the eval loss.
-    model: the built-in small Llama-architecture model (random weights, from a config).
+    builtin: the built-in small Llama-architecture model (random weights, from a config).
     resume: the resume state on disk (atomic saves, ``LATEST``, bit-exact resume, the saved
         configuration a ``--resume DIR`` continues with).
     memory, summary, predicted: the run's memory figures, its part of the report, and what

@@ -31,8 +31,7 @@ from torch import nn
 from tightfit.measure.dtypes import DTYPE_NAMES, torch_dtype
 from tightfit.qlora.prepare import load_causal_lm, prepare
 from tightfit.qlora.quantize import linear4bit_layers
-from tightfit.train import model as builtin
-from tightfit.train import resume
+from tightfit.train import builtin, resume
 from tightfit.train.data.tokenizer import has_hf_tokenizer, tokenizer_folder
 from tightfit.train.quiet import library_bars, no_library_deprecations
 from tightfit.train.run_options import RunConfig

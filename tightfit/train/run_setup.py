@@ -21,8 +21,7 @@ from torch import nn
 from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.optim.registry import optimizer_for, trainable_parameters
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
-from tightfit.train import model as builtin
-from tightfit.train import resume, validate
+from tightfit.train import builtin, resume, validate
 from tightfit.train.data import TrainData, load_tokenizer, load_train_data, tokenizer_folder
 from tightfit.train.job import TrainJob
 from tightfit.train.memory import StepMemory, pressure_note

@@ -60,9 +60,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             pull in transformers, peft, ... and cost seconds); ``None`` imports all of
             them, which ``--help`` of every command and the docs need.
     """
+    # no abbreviations: "--batch 2" would silently be --batch-size, an old name passing as new
     parser = argparse.ArgumentParser(
         prog="tightfit",
         description="Fine-tune large language models in far less memory.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"tightfit {version()}")
     _verbosity(parser, top=True)
@@ -72,7 +74,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)  # listed in --help, not imported
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           allow_abbrev=False)
         _verbosity(p, top=False)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

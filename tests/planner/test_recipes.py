@@ -87,10 +87,13 @@ def test_plan_speaks_train_names_only(capsys: pytest.CaptureFixture[str]) -> Non
            "--lora-target-modules", "q_proj,v_proj"]
     a = build_parser("plan").parse_args(new)
     assert (a.batch_size, a.compute_dtype, a.lora_target_modules) == (2, "bf16", "q_proj,v_proj")
-    # plan's former spellings are gone (nothing was released with them)
-    for old in (["--lora-targets", "q_proj"], ["--dtype", "bfloat16"]):
+    # plan's former spellings are gone (nothing was released with them), and no abbreviation
+    # lets the old --batch pass as --batch-size, in plan or in train
+    for command, old in (("plan", ["--lora-targets", "q_proj"]), ("plan", ["--dtype", "bf16"]),
+                         ("plan", ["--batch", "2"]), ("train", ["--batch", "2"])):
+        model = ["--model", "qwen3-8b"] if command == "plan" else []
         with pytest.raises(SystemExit) as exit_:
-            build_parser("plan").parse_args(["plan", "--model", "qwen3-8b", *old])
+            build_parser(command).parse_args([command, *model, *old])
         assert exit_.value.code == 2
         assert f"unrecognized arguments: {old[0]}" in capsys.readouterr().err
     for old_kw in ("batch", "lora_targets"):

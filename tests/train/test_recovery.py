@@ -146,3 +146,34 @@ def test_a_second_oom_stops_naming_the_batch_and_saves_the_last_step(
     err_text = capsys.readouterr().err
     assert "out of memory in forward/backward of step 1" in err_text
     assert "no step was completed, nothing saved" in err_text
+
+
+def test_the_drain_runs_after_the_failed_attempt_is_freed(tmp_path, tiny_dir, monkeypatch) -> None:
+    # The drain (and the retry) run outside the `except` that caught the error: inside it,
+    # the traceback kept the failed forward's frames and so its loss and autograd graph (the
+    # activations) alive while the drain and the retry allocated.
+    import weakref
+
+    from tightfit.train import step as step_mod
+
+    losses: list[weakref.ref] = []
+    real_prepare = run_setup.prepare
+
+    def prepare_recording(*args, **kwargs):
+        model = real_prepare(*args, **kwargs)
+        model.register_forward_hook(lambda m, a, out: losses.append(weakref.ref(out.loss)))
+        return model
+
+    monkeypatch.setattr(run_setup, "prepare", prepare_recording)
+    _fail_backward(monkeypatch, at={3})
+    alive_at_drain: list[int] = []
+    real_drain = step_mod._drain
+
+    def drain(optimizer, why):
+        alive_at_drain.append(sum(r() is not None for r in losses))
+        return real_drain(optimizer, why)
+
+    monkeypatch.setattr(step_mod, "_drain", drain)
+    hit = train(_cfg(tmp_path / "hit", tiny_dir, steps=3), progress=False, log=lambda s: None)
+    assert [h["oom_retry"] for h in hit.history] == [False, False, True]
+    assert len(losses) >= 3 and alive_at_drain == [0]  # before: [1], the failed step's loss

@@ -46,7 +46,7 @@ from tightfit.paging.layout import Page, StateSpec
 from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
 from tightfit.paging.sweep import sweep
-from tightfit.pressure.occupancy import OccupancyControl, recover_from_oom
+from tightfit.pressure.occupancy import OccupancyControl, oom_reason, recover_from_oom
 from tightfit.pressure.probes import Probe
 from tightfit.pressure.watch import PressureWatch
 from tightfit.tiers.copy import CopyEngine
@@ -410,6 +410,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         """``state[p]`` set to a plain dict (torch code does that) becomes a ParamState."""
         adopt_plain_states(self.state, self._access)
 
+    @torch.no_grad()  # as step(): the update writes params in place (views of leaves)
     def finish_step(self) -> None:
         """Complete a step that stopped part-way, updating only the pages it had not updated."""
         self._check_open()
@@ -418,18 +419,39 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
             self._access.refresh()
 
     def _run_sweep_or_stream(self) -> None:
-        try:
-            self._run_sweep()
-        except torch.OutOfMemoryError as exc:
+        why = self._sweep_or_oom()
+        if why is not None:
+            # Out of the handler, so the error and its traceback are gone and with them what
+            # the failed attempt held (fp32 copies, staging clones, the sweep's handles).
             # Drain every evictable page and finish by streaming through a one- or two-page
             # window; pages updated before the error carry this step's id and are skipped.
-            recover_from_oom(self._store, exc)
+            recover_from_oom(self._store, why)
             self._oom_recoveries += 1
             if self._pressure is None and self._store.device.type == "cuda":
                 self._pressure = OccupancyControl(self._store)  # pages come back under 0.9
-            self._run_sweep()
+            try:
+                self._run_sweep()
+            except torch.OutOfMemoryError as exc:  # the step stays pending: finish_step()
+                exc.add_note(
+                    f"tightfit: out of memory again while finishing the step by streaming "
+                    f"(the first: {why}); the step is pending: free memory, then call "
+                    f"finish_step()"
+                )
+                raise
         if self._pressure is not None:
             self._pressure.after_step()
+
+    def _sweep_or_oom(self) -> str | None:
+        """Run the sweep; ``None`` when it completed, else the out-of-memory error's line.
+
+        Only the line leaves the handler: the retry must not run while the error (its
+        traceback, the failed attempt's frames and their tensors) is still alive.
+        """
+        try:
+            self._run_sweep()
+        except torch.OutOfMemoryError as exc:
+            return oom_reason(exc)
+        return None
 
     def _run_sweep(self) -> None:
         pages = [

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import sys
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from tightfit.pressure.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
 from tightfit.pressure.target import resolve_target
 from tightfit.pressure.watch import PressureWatch
 
-__all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "recover_from_oom"]
+__all__ = ["OccupancyControl", "OccupancyCounts", "default_probe", "oom_reason", "recover_from_oom"]
 
 MiB = 2**20
 #: Steps whose room the restore hysteresis remembers (their median is what comes back).
@@ -196,6 +197,7 @@ class OccupancyControl:
         if room < store.page_bytes:
             return
         added, why = 0, self._why("headroom", used)
+        failed = None
         try:
             while added + store.page_bytes <= room and store.disk_bytes() + store.host_bytes:
                 got = store.restore_bytes(min(self._chunk_bytes(), int(room) - added), why)
@@ -204,7 +206,9 @@ class OccupancyControl:
                     break
                 added += got
         except torch.OutOfMemoryError as exc:  # the probe was optimistic: stay where we were
-            store.limit_device(limit, f"restore failed: {_short(exc)}")
+            failed = oom_reason(exc)
+        if failed is not None:  # out of the handler: the failed restore's buffers are freed
+            store.limit_device(limit, f"restore failed: {failed}")
             return
         if budget is None and (store.device_limit or 0) >= store.state_bytes:
             store.limit_device(None, "pressure passed")  # back to no limit at all
@@ -305,21 +309,35 @@ class OccupancyControl:
         )
 
 
-def recover_from_oom(store: PageStore, exc: BaseException) -> int:
+def recover_from_oom(store: PageStore, why: BaseException | str) -> int:
     """Drain every evictable page so an interrupted step can finish by streaming.
 
     The device keeps only the streaming window: one page-sized slot, or two when two fit. The
     store logs the moves; an ``"oom"`` event records the error itself.
 
+    Call it after the ``except`` block that caught the error, with :func:`oom_reason`'s line
+    (an exception still works): inside the block the error's traceback keeps the failed
+    attempt's tensors allocated, the memory this drain is meant to make room beside.
+
     Returns:
         Device bytes freed.
     """
+    why = why if isinstance(why, str) else _short(why)
     before = store.device_bytes
-    store.limit_device(store.page_bytes, f"out of memory in step: {_short(exc)}")
+    store.limit_device(store.page_bytes, f"out of memory in step: {why}")
     freed = max(before - store.device_bytes, 0)
-    store.events.record("oom", _short(exc), freed, 0, "device", "disk" if store.on_cpu else "host")
+    store.events.record("oom", why, freed, 0, "device", "disk" if store.on_cpu else "host")
     _return_to_os(store)
     return freed
+
+
+def oom_reason(exc: BaseException) -> str:
+    """``exc`` in one line, for the log and :func:`recover_from_oom`, with the finished frames
+    of its traceback cleared: their locals (the failed attempt's temporaries) are freed when
+    the ``except`` block ends, even if something still holds the exception."""
+    why = _short(exc)
+    traceback.clear_frames(exc.__traceback__)  # the handler's own frame is left as it is
+    return why
 
 
 def _return_to_os(store: PageStore) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.measure.tracker import MemoryTracker
-from tightfit.pressure.occupancy import recover_from_oom
+from tightfit.pressure.occupancy import oom_reason, recover_from_oom
 from tightfit.train import resume
 from tightfit.train.data import MicroBatch
 from tightfit.train.memory import optimizer_stats
@@ -92,14 +92,14 @@ def _forward_backward_retried(
                 torch.nn.utils.clip_grad_norm_(run.trainable, run.cfg.train.grad_clip)
             return loss, tracker, attempt == 1
         except torch.OutOfMemoryError as exc:
-            what = _short(exc)
-            if attempt == 1 or run.job.distributed:
-                _free(run)
-                resume.set_rng_state(rng)  # a save of the previous step must resume exactly
-                raise StepOutOfMemory(_message(run, step, micros, what, retried=attempt == 1)) \
-                    from None
-            drained = _drain(run.optimizer, exc)
-        # outside the handler: the traceback (and the tensors its frames held) is gone
+            what = oom_reason(exc)  # only the line leaves the handler
+        # Outside the handler: the error, its traceback and the tensors its frames held (the
+        # failed forward's activations) are gone before anything else allocates.
+        if attempt == 1 or run.job.distributed:
+            _free(run)
+            resume.set_rng_state(rng)  # a save of the previous step must resume exactly
+            raise StepOutOfMemory(_message(run, step, micros, what, retried=attempt == 1))
+        drained = _drain(run.optimizer, what)
         _free(run)
         resume.set_rng_state(rng)
         logger.warning(
@@ -132,10 +132,10 @@ def example_on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _drain(optimizer: torch.optim.Optimizer, exc: BaseException) -> int:
+def _drain(optimizer: torch.optim.Optimizer, why: str) -> int:
     """Move every evictable optimizer page off the device (an ``oom`` event records why)."""
     pager = getattr(optimizer, "pager", None)
-    return recover_from_oom(pager, exc) if pager is not None else 0
+    return recover_from_oom(pager, why) if pager is not None else 0
 
 
 def _free(run: Run) -> None:
@@ -199,7 +199,3 @@ def _record(
     rec.update(run.job.rank_figures(rec))
     return rec
 
-
-def _short(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"

@@ -3,11 +3,11 @@
 Only the layout (``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``; fp32) and
 the call into torch's kernels live here; paging is the base class's. The kernels are torch's
 fused ``_fused_adamw_``/``_fused_adam_`` where the device supports them (they only read the
-step counts, which the base class increments once per param), else torch's functional
-``adam`` (foreach, or its single-tensor loop with ``foreach=False``: the flags select as in
-:func:`tightfit.optim.hyper.implementation`), given step tensors one behind the param's
-count because it increments them itself and a param split across pages must not be counted
-twice.
+step counts, which the base class increments once per param), else torch's foreach or
+single-tensor Adam math (``foreach=False``: the flags select as in
+:func:`tightfit.optim.hyper.implementation`) as :mod:`tightfit.optim.adam_math` runs it:
+every temporary allocated before anything is written, so an update that runs out of memory
+changed nothing and the step's retry applies it once.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim.adam import adam as _adam_functional
 
-from tightfit.optim import hyper
+from tightfit.optim import adam_math, hyper
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
@@ -152,15 +151,16 @@ class PagedAdamW(PagedOptimizer):
             return
         if impl == "foreach" and isinstance(lr, torch.Tensor):
             lr = lr.item()  # torch's foreach kernels take lr as a number
-        _adam_functional(
+        # torch's foreach/single-tensor math, allocating before it writes (adam_math): an
+        # update that raises (out of memory) changed nothing, as the sweep needs
+        adam_math.adam_(
             params,
             grads,
             states["exp_avg"],
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []),
-            torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
+            steps,
             foreach=impl == "foreach",
-            fused=False,
             decoupled_weight_decay=decoupled,
             amsgrad=group["amsgrad"],
             beta1=beta1,

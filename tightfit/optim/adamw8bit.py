@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as _adam_functional
 
-from tightfit.optim import hyper, quant8
+from tightfit.optim import adam_math, hyper, quant8
 from tightfit.optim.adamw import check_adam_group
 from tightfit.optim.paged8bit import Paged8bitOptimizer
 from tightfit.optim.update_lists import Group, StateLists, Tensors
@@ -101,6 +101,14 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         lr = group["lr"]
         if impl != "fused" and isinstance(lr, torch.Tensor):
             lr = lr.item()  # torch's foreach kernels take lr as a number
+        if impl != "fused":  # allocating before it writes: a failed update changed nothing
+            adam_math.adam_(
+                params, grads, states["state1"], states["state2"], [], steps,
+                foreach=impl == "foreach", decoupled_weight_decay=self._decoupled,
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            )  # fmt: skip
+            return
         _adam_functional(
             params,
             grads,
@@ -108,8 +116,7 @@ class PagedAdamW8bit(Paged8bitOptimizer):
             states["state2"],
             [],
             torch._foreach_sub(steps, 1),  # the kernel adds 1 to these copies, not to ours
-            foreach=impl == "foreach",
-            fused=impl == "fused",
+            fused=True,
             decoupled_weight_decay=self._decoupled,
             amsgrad=False,
             beta1=beta1,

@@ -1,0 +1,164 @@
+"""The non-fused Adam paths (foreach, single tensor) keep the sweep's rule "an update that
+raised changed nothing": an out-of-memory error at any allocation inside the update leaves
+params and moments as they were, so the retry applies the update once.
+
+torch's own foreach/single-tensor Adam scales the params and updates the moments in place
+before it allocates the denominator (``_foreach_sqrt``, ``exp_avg_sq.sqrt()``); an error
+there, retried, applied the decay and the moment update twice (params ~1e-2 away from torch's
+AdamW after 3 steps). The faults here are real allocation points: the k-th op of the step
+that makes a new param-sized storage raises instead (what the caching allocator would do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tightfit.optim.adamw import PagedAdam, PagedAdamW
+
+PAGE = 16 << 10
+SIZES = [3000, 5000, 4097]
+BIG = 512  # elements: a param-sized temporary, not a step count or a scalar
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to kernel rounding (1e-6 relative); an update applied twice is ~1e-2."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-6
+
+
+class AllocationFault(TorchDispatchMode):
+    """Raises ``torch.OutOfMemoryError`` at the ``at``-th op (from 1) whose output is a new
+    storage of at least ``BIG`` elements, the ``times`` first times that point is reached
+    (in-place ops and views allocate nothing and are not counted). Records the op's name."""
+
+    def __init__(self, at: int, times: int = 1) -> None:
+        super().__init__()
+        self.at, self.left, self.count = at, times, 0
+        self.fired: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if self.left > 0:
+            inputs = {t.untyped_storage().data_ptr()
+                      for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            new = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                   and t.numel() >= BIG and t.untyped_storage().data_ptr() not in inputs]
+            if new:
+                self.count += 1
+                if self.count == self.at:
+                    self.left -= 1
+                    self.count = 0  # the retry counts afresh
+                    self.fired.append(str(func))
+                    raise torch.OutOfMemoryError(f"fake: out of memory in {func}")
+        return out
+
+
+def _params() -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(11)
+    return [nn.Parameter(torch.randn(n, generator=gen)) for n in SIZES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    return [torch.randn(n, generator=gen) for n in SIZES]
+
+
+KERNELS = {"foreach": {"foreach": True}, "forloop": {"foreach": False}}
+VARIANTS = {
+    "adamw": (PagedAdamW, torch.optim.AdamW, {"weight_decay": 0.1}),
+    "adamw-amsgrad-maximize": (PagedAdamW, torch.optim.AdamW,
+                               {"weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    "adam-l2": (PagedAdam, torch.optim.Adam, {"weight_decay": 0.1}),
+}
+
+
+def _run(cls: type, kw: dict[str, Any], budget: int | None, fault_step: int, at: int,
+         times: int = 1) -> tuple[list[nn.Parameter], Any, AllocationFault]:
+    ours = _params()
+    opt = cls(ours, lr=1e-2, page_bytes=PAGE, device_budget=budget, **kw)
+    fault = AllocationFault(at, times)
+    for step in range(1, 4):
+        for p, g in zip(ours, _grads(step)):
+            p.grad = g
+        if step == fault_step:
+            with fault:
+                opt.step()
+        else:
+            opt.step()
+    return ours, opt, fault
+
+
+def _reference(torch_cls: type, kw: dict[str, Any]) -> tuple[list[nn.Parameter], Any]:
+    ref = _params()
+    opt = torch_cls(ref, lr=1e-2, foreach=False, **kw)
+    for step in range(1, 4):
+        for p, g in zip(ref, _grads(step)):
+            p.grad = g
+        opt.step()
+    return ref, opt
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("at", [1, 2, 3])
+@pytest.mark.parametrize("budget", [None, 2 * PAGE], ids=["resident", "streamed"])
+def test_an_oom_at_an_allocation_in_the_update_is_retried_exactly(kernel, variant, at,
+                                                                   budget) -> None:
+    cls, torch_cls, kw = VARIANTS[variant]
+    ours, opt, fault = _run(cls, {**kw, **KERNELS[kernel]}, budget, fault_step=2, at=at)
+    ref, ref_opt = _reference(torch_cls, kw)
+    if at == 1:
+        assert fault.fired  # every path allocates at least once per update
+    assert opt.memory_stats()["oom_recoveries"] == len(fault.fired)
+    for o, r in zip(ours, ref):
+        assert _close(o.detach(), r.detach())
+    mine, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for i in range(len(SIZES)):
+        assert float(mine[i]["step"]) == float(theirs[i]["step"]) == 3.0
+        for name in theirs[i]:
+            if name != "step":
+                assert _close(mine[i][name], theirs[i][name]), name
+    opt.close()
+
+
+def test_the_fault_hits_where_torch_allocated_after_writing() -> None:
+    # The point the review found (torch's foreach Adam: _foreach_sqrt after the in-place decay
+    # and moment updates) is the first param-sized allocation of a decoupled AdamW step; here
+    # that allocation now comes before any write.
+    ours, opt, fault = _run(PagedAdamW, {"weight_decay": 0.1, "foreach": True}, None, 2, at=1)
+    assert len(fault.fired) == 1
+    ref, _ = _reference(torch.optim.AdamW, {"weight_decay": 0.1})
+    assert all(_close(o.detach(), r.detach()) for o, r in zip(ours, ref))
+    opt.close()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_finish_step_after_an_oom_escaped_step(kernel) -> None:
+    # The retry fails too: the error leaves step() and the step stays pending. finish_step()
+    # then writes the leaf params in place (views made under step()'s no_grad): it runs under
+    # no_grad too (before: "a view was created in no_grad mode and is being modified inplace").
+    kw = {"weight_decay": 0.1, **KERNELS[kernel]}
+    ours = _params()
+    opt = PagedAdamW(ours, lr=1e-2, page_bytes=PAGE, **kw)
+    for step in range(1, 4):
+        for p, g in zip(ours, _grads(step)):
+            p.grad = g
+        if step == 2:
+            fault = AllocationFault(at=1, times=2)
+            with fault, pytest.raises(torch.OutOfMemoryError, match="fake: out of memory"):
+                opt.step()
+            assert len(fault.fired) == 2
+            opt.finish_step()
+        else:
+            opt.step()
+    ref, _ = _reference(torch.optim.AdamW, {"weight_decay": 0.1})
+    for o, r in zip(ours, ref):
+        assert _close(o.detach(), r.detach())
+    opt.close()

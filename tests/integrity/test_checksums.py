@@ -1,6 +1,7 @@
 """The checksums: one flipped bit anywhere changes them, a disk page's striped checksum is the
-same whether hashed alone or while copied (on several threads), a helper thread's error is the
-caller's, and what is not a page's bytes is refused by name."""
+same whether hashed alone (on several threads) or chunk by chunk while copied, the copy hashes
+what landed, a helper thread's error is the caller's, and what is not a page's bytes is refused
+by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from tightfit.integrity import checksums
 from tightfit.integrity.checksums import (
+    CHUNK,
     STRIPE,
     checksum,
     copy_and_checksum,
@@ -72,10 +74,69 @@ def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypa
 
     monkeypatch.setattr(checksums, "checksum", flaky)
     with pytest.raises(OSError, match="disk read failed"):
-        copy_and_checksum(torch.empty_like(src), src)
+        page_checksum(src)
     assert len(calls) == 4  # every stripe ran (or was running) before the error went on
     pool, _ = checksums._pool()
     assert pool.submit(lambda: 1).result(timeout=5) == 1  # the pool lives on
+
+
+def test_the_copy_hashes_chunk_by_chunk_as_the_striped_page_checksum_does() -> None:
+    # sizes around the chunk and stripe edges: the streamed stripes must equal the one-shot ones
+    for n in (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, STRIPE - 1, STRIPE, STRIPE + CHUNK + 7,
+              2 * STRIPE + 12_345):  # fmt: skip
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.full_like(src, 0xAA)
+        assert copy_and_checksum(dst, src) == page_checksum(src), n
+        assert torch.equal(dst, src), n
+    # a flipped bit in any chunk, at either edge of a chunk or a stripe, changes it
+    src = torch.randn((2 * STRIPE + 12_345) // 4).view(torch.uint8)
+    clean = page_checksum(src)
+    dst = torch.empty_like(src)
+    for pos in (0, CHUNK - 1, CHUNK, 3 * CHUNK + 5, STRIPE - 1, STRIPE, STRIPE + CHUNK,
+                2 * STRIPE, src.numel() - 1):  # fmt: skip
+        src[pos] ^= 0x10
+        assert copy_and_checksum(dst, src) != clean, pos
+        assert torch.equal(dst, src), pos
+        src[pos] ^= 0x10
+    assert copy_and_checksum(dst, src) == clean
+
+
+def test_the_copy_hashes_what_landed_in_the_destination(monkeypatch) -> None:
+    # a fault between a chunk's copy and its hash (memory, a writer of the spill map) is what
+    # the hash sees: the checksum is of the destination's bytes, never of the source's
+    src = torch.randn(STRIPE // 4 + 1000).view(torch.uint8)
+    dst = torch.empty_like(src)
+    real, landed = checksums.np.copyto, []
+
+    def copy_then_flip(d, s) -> None:
+        real(d, s)
+        if len(landed) == 2:  # the third chunk lands with one bit flipped
+            d[7] ^= 1
+        landed.append(d.size)
+
+    monkeypatch.setattr(checksums.np, "copyto", copy_then_flip)
+    got = copy_and_checksum(dst, src)
+    monkeypatch.undo()
+    assert len(landed) == -(-src.numel() // CHUNK)  # every byte copied, chunk by chunk
+    assert got == page_checksum(dst) != page_checksum(src)
+
+
+def test_a_failed_chunk_copy_is_raised(monkeypatch) -> None:
+    # a copy that fails part-way (a disk error under the spill map) goes on to the caller
+    # (DiskHome then marks the page lost), never a checksum of half-copied bytes
+    src = torch.randn(STRIPE // 2).view(torch.uint8)
+    real, calls = checksums.np.copyto, []
+
+    def failing(d, s) -> None:
+        calls.append(d.size)
+        if len(calls) == 3:
+            raise OSError(5, "disk read failed")
+        real(d, s)
+
+    monkeypatch.setattr(checksums.np, "copyto", failing)
+    with pytest.raises(OSError, match="disk read failed"):
+        copy_and_checksum(torch.empty_like(src), src)
+    assert len(calls) == 3  # stopped at the failed chunk
 
 
 def test_what_is_not_a_pages_bytes_is_refused() -> None:
@@ -83,6 +144,11 @@ def test_what_is_not_a_pages_bytes_is_refused() -> None:
         checksum(torch.zeros(10))
     with pytest.raises(ValueError, match="non-contiguous"):
         checksum(torch.zeros(10, dtype=torch.uint8)[::2])
+    page = torch.zeros(10, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="contiguous uint8 CPU tensor"):
+        copy_and_checksum(page, torch.zeros(10, dtype=torch.int16))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        copy_and_checksum(torch.zeros(20, dtype=torch.uint8)[::2], page)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

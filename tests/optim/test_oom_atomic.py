@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tightfit.optim import adam_math
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 
 PAGE = 16 << 10
@@ -70,7 +71,17 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen) for n in SIZES]
 
 
-KERNELS = {"foreach": {"foreach": True}, "forloop": {"foreach": False}}
+KERNELS = {"foreach": {"foreach": True}, "foreach-ops": {"foreach": True},
+           "forloop": {"foreach": False}}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _foreach_ops(request, monkeypatch) -> None:
+    """``foreach-ops``: the foreach arrangement CUDA runs (on the CPU ``foreach=True`` runs
+    the loop, torch's foreach being a loop there)."""
+    kernel = getattr(request.node, "callspec", None)
+    if kernel is not None and kernel.params.get("kernel") == "foreach-ops":
+        monkeypatch.setattr(adam_math, "LOOP_ON_CPU", False)
 VARIANTS = {
     "adamw": (PagedAdamW, torch.optim.AdamW, {"weight_decay": 0.1}),
     "adamw-amsgrad-maximize": (PagedAdamW, torch.optim.AdamW,
@@ -128,10 +139,11 @@ def test_an_oom_at_an_allocation_in_the_update_is_retried_exactly(kernel, varian
     opt.close()
 
 
-def test_the_fault_hits_where_torch_allocated_after_writing() -> None:
+def test_the_fault_hits_where_torch_allocated_after_writing(monkeypatch) -> None:
     # The point the review found (torch's foreach Adam: _foreach_sqrt after the in-place decay
     # and moment updates) is the first param-sized allocation of a decoupled AdamW step; here
     # that allocation now comes before any write.
+    monkeypatch.setattr(adam_math, "LOOP_ON_CPU", False)
     ours, opt, fault = _run(PagedAdamW, {"weight_decay": 0.1, "foreach": True}, None, 2, at=1)
     assert len(fault.fired) == 1
     ref, _ = _reference(torch.optim.AdamW, {"weight_decay": 0.1})
@@ -162,3 +174,38 @@ def test_finish_step_after_an_oom_escaped_step(kernel) -> None:
     for o, r in zip(ours, ref):
         assert _close(o.detach(), r.detach())
     opt.close()
+
+
+@pytest.mark.parametrize("arrangement", ["foreach-ops", "loop"])
+@pytest.mark.parametrize("foreach", [True, False], ids=["torch-foreach", "torch-loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_reordered_math_is_torchs_bit_for_bit(arrangement, foreach, dtype) -> None:
+    # adam_math against torch.optim.adam's foreach and single-tensor functions, every flag
+    # that changes the ops: the same values, bit for bit, over 4 steps (on the CPU)
+    from itertools import product
+
+    from torch.optim.adam import adam
+
+    run = adam_math._foreach if arrangement == "foreach-ops" else adam_math._loop
+    for amsgrad, maximize, decoupled, wd in product([False, True], [False, True],
+                                                    [True, False], [0.0, 0.1]):
+        gen = torch.Generator().manual_seed(5)
+        theirs = [torch.randn(n, generator=gen, dtype=dtype) for n in (7, 300, 1025)]
+        ours = [p.clone() for p in theirs]
+        ts, os_ = ([[torch.zeros_like(p) for p in theirs] for _ in range(2 + amsgrad)]
+                   for _ in range(2))
+        if not amsgrad:
+            ts, os_ = [*ts, []], [*os_, []]
+        for step in range(1, 5):
+            grads = [torch.randn(p.shape, generator=gen, dtype=dtype) for p in theirs]
+            adam(theirs, grads, *ts, [torch.tensor(step - 1.0) for _ in theirs],
+                 foreach=foreach, fused=False, decoupled_weight_decay=decoupled,
+                 amsgrad=amsgrad, beta1=0.9, beta2=0.99, lr=1e-2, weight_decay=wd, eps=1e-8,
+                 maximize=maximize)
+            kept = [g.clone() for g in grads]
+            run(ours, grads, *os_, [float(step)] * len(ours), amsgrad=amsgrad, beta1=0.9,
+                beta2=0.99, lr=1e-2, weight_decay=wd, eps=1e-8, maximize=maximize,
+                decoupled=decoupled)
+            assert all(torch.equal(g, k) for g, k in zip(grads, kept))  # grads left alone
+        for a, b in zip([*theirs, *ts[0], *ts[1], *ts[2]], [*ours, *os_[0], *os_[1], *os_[2]]):
+            assert torch.equal(a, b), (amsgrad, maximize, decoupled, wd)

@@ -23,6 +23,10 @@ order: every temporary first, then only in-place writes, which allocate nothing.
   temporaries are ``out=`` views of it. The peak is at most torch's (it allocates two
   temporaries per tensor).
 
+On the CPU, torch's foreach ops are themselves a loop over the tensors running the
+single-tensor kernels, so ``foreach=True`` runs the loop there: the same results bit for bit
+(tested against torch's foreach Adam), without the copy and with one tensor's temporaries.
+
 Step counts are read with one ``tolist()`` for the call (torch reads each with ``.item()``:
 a device sync per tensor); they are the param's counts, already incremented by the step.
 """
@@ -34,6 +38,10 @@ from typing import Any
 import torch
 
 Tensors = list[torch.Tensor]
+
+#: ``foreach=True`` on the CPU runs the loop (see above); tests set it ``False`` to run the
+#: foreach arrangement (what CUDA runs) on the CPU.
+LOOP_ON_CPU = True
 
 
 def adam_(
@@ -59,14 +67,15 @@ def adam_(
 
     Args:
         steps: the step counts of this update (already incremented; only read).
-        foreach: torch's foreach kernels (``lr`` a number), else its one-tensor loop.
+        foreach: torch's foreach kernels (``lr`` a number), else its one-tensor loop (which
+            on the CPU also stands in for foreach: the same kernels and results there).
     """
     if not params:
         return
     kw = {"amsgrad": amsgrad, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
           "eps": eps, "maximize": maximize, "decoupled": decoupled_weight_decay}  # fmt: skip
     counts = _counts(steps)
-    if foreach:
+    if foreach and not (LOOP_ON_CPU and params[0].device.type == "cpu"):
         _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, counts, lr=lr, **kw)
     else:
         _loop(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, counts, lr=lr, **kw)

@@ -198,4 +198,3 @@ def _record(
     }
     rec.update(run.job.rank_figures(rec))
     return rec
-

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from tightfit.checkpoint import apply
-from tightfit.model.blocks import resolve_blocks
 from tightfit.checkpoint.chain import Profile
 from tightfit.checkpoint.offload import Offloader
 from tightfit.checkpoint.plan import OffloadTier, Plan, Segment
 from tightfit.checkpoint.profile import step_loss
 from tightfit.checkpoint.solver import _plan_of
 from tightfit.measure.tracker import MemoryTracker
+from tightfit.model.blocks import resolve_blocks
 
 MIN_BYTES = 16 << 10  # the tiny models' saved tensors are KiBs: move those above 16 KiB
 

@@ -22,8 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import tightfit
 from tightfit.checkpoint import apply as ckpt_apply
-from tightfit.model.blocks import resolve_blocks
 from tightfit.loss import disable_chunked_loss, enable_chunked_loss
+from tightfit.model.blocks import resolve_blocks
 from tightfit.report.pieces import constant_bytes
 from tightfit.report.report import measure_report
 

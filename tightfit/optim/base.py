@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
 
 from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.optim import update_lists
+from tightfit.optim.optimizer_options import check_keywords, paging_options
 from tightfit.optim.param_groups import GroupLayout, common_device, intake
 from tightfit.optim.param_state import ParamState, StateAccess, adopt_plain_states, step_tensor
 from tightfit.optim.torch_api import TorchAPI
@@ -52,35 +52,6 @@ from tightfit.pressure.watch import PressureWatch
 from tightfit.tiers.copy import CopyEngine
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_PAGING_FIELDS = tuple(f.name for f in fields(PagingOptions))
-
-
-def check_keywords(owner: str, keywords: dict[str, Any]) -> None:
-    """Raise Python's ``TypeError`` for an unexpected keyword (plus the options there are)
-    unless every one of ``keywords`` is a paging option."""
-    unknown = [k for k in keywords if k not in ("paging", *_PAGING_FIELDS, "target", "probe")]
-    if unknown:
-        raise TypeError(
-            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}; its "
-            f"paging options are paging, {', '.join(_PAGING_FIELDS)}, target, probe (see "
-            "tightfit.paging.paging_options.PagingOptions)"
-        )
-
-
-def paging_options(paging: PagingOptions | None, keywords: dict[str, Any]) -> PagingOptions:
-    """The store's options of a constructor call: ``paging``, or made from its fields given as
-    keywords (checked there); both only when they agree (``ValueError`` naming both)."""
-    if paging is None:
-        return PagingOptions(**keywords)
-    if not isinstance(paging, PagingOptions):
-        raise TypeError(f"paging must be a PagingOptions or None, got {paging!r}")
-    differ = [f"{k}={v!r}" for k, v in keywords.items() if getattr(paging, k) != v]
-    if differ:
-        raise ValueError(f"got paging={paging!r} and {', '.join(differ)}: pass the paging "
-                         "options once, as paging=PagingOptions(...) or as keywords")
-    return paging
-
-
 class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
     """Base of the paged optimizers (see the module docstring for the subclass contract).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES, PagingOptions
@@ -128,3 +128,33 @@ def check_target(target: object) -> None:
                          "an integer (e.g. 6GiB) or a fraction such as 0.9.")
     if isinstance(target, int) and target <= 0:
         raise ValueError(f"a target in bytes must be positive, got {target}; e.g. 6GiB.")
+
+
+# The keywords a paged optimizer's constructor takes besides torch's (checked here once).
+_PAGING_FIELDS = tuple(f.name for f in fields(PagingOptions))
+
+
+def check_keywords(owner: str, keywords: dict[str, Any]) -> None:
+    """Raise Python's ``TypeError`` for an unexpected keyword (plus the options there are)
+    unless every one of ``keywords`` is a paging option."""
+    unknown = [k for k in keywords if k not in ("paging", *_PAGING_FIELDS, "target", "probe")]
+    if unknown:
+        raise TypeError(
+            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}; its "
+            f"paging options are paging, {', '.join(_PAGING_FIELDS)}, target, probe (see "
+            "tightfit.paging.paging_options.PagingOptions)"
+        )
+
+
+def paging_options(paging: PagingOptions | None, keywords: dict[str, Any]) -> PagingOptions:
+    """The store's options of a constructor call: ``paging``, or made from its fields given as
+    keywords (checked there); both only when they agree (``ValueError`` naming both)."""
+    if paging is None:
+        return PagingOptions(**keywords)
+    if not isinstance(paging, PagingOptions):
+        raise TypeError(f"paging must be a PagingOptions or None, got {paging!r}")
+    differ = [f"{k}={v!r}" for k, v in keywords.items() if getattr(paging, k) != v]
+    if differ:
+        raise ValueError(f"got paging={paging!r} and {', '.join(differ)}: pass the paging "
+                         "options once, as paging=PagingOptions(...) or as keywords")
+    return paging

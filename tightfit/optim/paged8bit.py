@@ -44,9 +44,10 @@ from typing import Any, ClassVar
 import torch
 
 from tightfit.optim import hyper, quant8, torch_format
-from tightfit.optim.base import PagedOptimizer, check_keywords
+from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
 from tightfit.optim.element_order import PLAIN
+from tightfit.optim.optimizer_options import check_keywords
 from tightfit.optim.param_groups import common_device, intake
 from tightfit.optim.param_state import ParamState
 from tightfit.optim.update_lists import Group, StateLists, Tensors

@@ -1,11 +1,16 @@
 """What the disk tier's checksums cost: candidates on 8 MiB pages, and paged steps with them on/off.
 
 1. Candidates, per 8 MiB page, from RAM larger than the caches (as a step sees pages): a bare
-   copy, XXH3-64 after the copy, ``copy_and_checksum`` (what the pager does: stripes copied and
-   hashed on two threads), zlib's CRC-32 and a torch ``int64`` sum; and XXH3-64 in cache.
+   copy, XXH3-64 after the copy, ``copy_and_checksum`` (what the pager does: 256 KiB chunks
+   copied, each hashed while in cache, one thread), the striped copy it replaced (4 MiB
+   stripes copied, then hashed, on two threads), zlib's CRC-32 and a torch ``int64`` sum; and
+   XXH3-64 in cache.
 2. PagedAdamW at 50 % and 10 % resident (``benchmarks/optimizer.py``'s setup: one 50M-param
-   tensor, 8 MiB pages), checksums on and off round-robin in one process. "Off" swaps the
-   pager's hash functions for a plain copy inside this script only; there is no such option.
+   tensor, 8 MiB pages), four modes round-robin in one process: *on* (the pager as it is),
+   *off* (the same chunked copy with the hashing taken out), *before* (the striped copy and
+   hash this replaced) and *before off* (a plain torch copy: the earlier figures' "off"). The
+   modes swap the pager's copy and hash functions inside this script only; there is no such
+   option.
    Wall time and process CPU time per step (CPU time is less disturbed by other work on a
    shared machine). Here the spill files stay in the page cache, so a "disk" copy runs at RAM
    speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed at
@@ -39,7 +44,10 @@ from environment import cpu_model, git_commit, versions
 from spike import cgroup_figures, child_cgroup, detect_cap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tightfit.integrity.checksums import checksum, copy_and_checksum  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tightfit.integrity import checksums  # noqa: E402
+from tightfit.integrity.checksums import CHUNK, checksum, copy_and_checksum  # noqa: E402
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
 from tightfit.paging import disk  # noqa: E402
 
@@ -70,8 +78,10 @@ def candidates(pages: int, rounds: int) -> list[str]:
     ways: dict[str, Callable[[torch.Tensor], object]] = {
         "copy only (torch, 1 thread)": lambda s: dst.copy_(s),
         "copy, then XXH3-64 of the copy": lambda s: (dst.copy_(s), checksum(dst)),
-        "copy_and_checksum (4 MiB stripes on 2 threads, each hashed after its copy)":
+        "copy_and_checksum (256 KiB chunks, each hashed after its copy, 1 thread)":
             lambda s: copy_and_checksum(dst, s),
+        "chunked copy alone (copy_and_checksum without the hash)": lambda s: _off(dst, s),
+        "before: 4 MiB stripes on 2 threads, each hashed after its copy": lambda s: _before(dst, s),
         "XXH3-64 alone": checksum,
         "zlib.crc32 alone": crc,
         "torch int64 sum alone (order-blind)": lambda s: s.view(torch.int64).sum(),
@@ -94,24 +104,53 @@ def _cpu() -> float:
 
 
 def _off(dst: torch.Tensor, src: torch.Tensor) -> int:
-    dst.copy_(src)
+    """``copy_and_checksum``'s copy with the hashing taken out (mode *off*)."""
+    d, s = dst.numpy(), src.numpy()
+    for x in range(0, d.size, CHUNK):
+        np.copyto(d[x : x + CHUNK], s[x : x + CHUNK])
+    return 0
+
+
+def _before(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """The copy and hash this replaced (mode *before*): 4 MiB stripes, each copied by torch
+    then hashed, the copy worker and the hash pool taking stripes in turn."""
+
+    def one(s: slice) -> int:
+        out = dst[s]
+        out.copy_(src[s])
+        return checksum(out)
+
+    return checksums._striped(dst.numel(), one)
+
+
+def _before_off(dst: torch.Tensor, src: torch.Tensor) -> int:
+    dst.copy_(src)  # mode *before off*: torch's copy, as the earlier figures' "off"
     return 0
 
 
 FRACTIONS = {"50% resident": 0.5, "10% resident": 0.1}
+# mode -> (page_checksum, copy_and_checksum, zeros_checksum) the pager's disk tier uses
+MODES = {
+    "on": (disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum),
+    "off": (lambda t: 0, _off, lambda nbytes: 0),
+    "before": (disk.page_checksum, _before, disk.zeros_checksum),
+    "before off": (lambda t: 0, _before_off, lambda nbytes: 0),
+}
+PAIRS = {"on / off": ("on", "off"), "before / before off": ("before", "before off"),
+         "on / before off": ("on", "before off"), "on / before": ("on", "before")}  # fmt: skip
 
 
 def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[str, float]]:
-    """Paged steps with checksums on and off, round-robin: per residency ``label``, the MiB
-    hashed per step and the median wall and CPU seconds of each mode."""
-    real = (disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum)
-    fake = (lambda t: 0, _off, lambda nbytes: 0)
+    """Paged steps in every mode of :data:`MODES`, round-robin: per residency ``label``, the
+    MiB hashed per step, the median wall and CPU seconds of each mode and the median paired
+    ratios of :data:`PAIRS`."""
+    real = MODES["on"]
     param = torch.randn(n)
     param.grad = torch.randn(n) * 1e-3
     root = tempfile.mkdtemp(prefix="tightfit-bench-checksums-")
     configs = {}
     for label in labels:
-        for mode in ("on", "off"):
+        for mode in MODES:
             configs[(label, mode)] = PagedAdamW(
                 [param], page_bytes=page, device_budget=int(8 * n * FRACTIONS[label]),
                 spill_dir=root)  # fmt: skip
@@ -119,8 +158,7 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
     cpu: dict = {k: [] for k in configs}
     for r in range(rounds + 1):  # round 0: placement and first touch
         for key, opt in configs.items():
-            disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = (
-                real if key[1] == "on" else fake)
+            disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = MODES[key[1]]
             c0, t0 = _cpu(), time.perf_counter()
             opt.step()
             if r:
@@ -131,13 +169,14 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
     for label in labels:
         s = configs[(label, "on")].memory_stats()
         out[label] = {"hashed": 2 * (s["state_bytes"] - s["resident_bytes"])}
-        # the same round's on and off steps ran back to back: their ratio cancels slow drifts
-        # of the machine (the disk's throughput under the cap varies by 2 x between minutes)
-        pairs = [a / b for a, b in zip(wall[(label, "on")], wall[(label, "off")], strict=True)]
-        out[label]["paired"] = statistics.median(pairs) - 1
-        for m in ("on", "off"):
-            out[label][f"wall_{m}"] = statistics.median(wall[(label, m)])
-            out[label][f"cpu_{m}"] = statistics.median(cpu[(label, m)])
+        # the same round's steps ran back to back: their ratio cancels slow drifts of the
+        # machine (the disk's throughput under the cap varies by 2 x between minutes)
+        for name, (a, b) in PAIRS.items():
+            pairs = [x / y for x, y in zip(wall[(label, a)], wall[(label, b)], strict=True)]
+            out[label][name] = statistics.median(pairs) - 1
+        for m in MODES:
+            out[label][f"wall {m}"] = statistics.median(wall[(label, m)])
+            out[label][f"cpu {m}"] = statistics.median(cpu[(label, m)])
     for opt in configs.values():
         opt.close()
     os.rmdir(root)
@@ -145,17 +184,23 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
 
 
 def table(res: dict[str, dict[str, float]], speed: float | None) -> list[str]:
-    """The on/off table of :func:`paged`'s figures (with the floor column when ``speed``)."""
-    head = ("| mode | MiB hashed / step | wall off ms | wall on ms | wall | paired | CPU off ms "
-            "| CPU on ms | CPU |" + (" floor |" if speed else ""))
+    """The tables of :func:`paged`'s figures: each mode's medians, then the paired ratios
+    (with the floor, and each ratio over it, when ``speed``)."""
+    head = "| residency | MiB hashed / step |" + "".join(
+        f" wall {m} ms | CPU {m} ms |" for m in MODES)
     rows = [head, "|---" * (head.count("|") - 1) + "|"]
     for label, f in res.items():
-        row = (f"| {label} | {f['hashed'] / MIB:.0f} | {f['wall_off'] * 1e3:.1f} | "
-               f"{f['wall_on'] * 1e3:.1f} | {(f['wall_on'] / f['wall_off'] - 1) * 100:+.1f}% | "
-               f"{f['paired'] * 100:+.1f}% | {f['cpu_off'] * 1e3:.1f} | {f['cpu_on'] * 1e3:.1f} | "
-               f"{(f['cpu_on'] / f['cpu_off'] - 1) * 100:+.1f}% |")
+        rows.append(f"| {label} | {f['hashed'] / MIB:.0f} |" + "".join(
+            f" {f[f'wall {m}'] * 1e3:.1f} | {f[f'cpu {m}'] * 1e3:.1f} |" for m in MODES))
+    head = "| residency |" + "".join(f" {p} |" for p in PAIRS) + (
+        " floor | on / off over the floor | before / before off over the floor |" if speed else "")
+    rows += ["", head, "|---" * (head.count("|") - 1) + "|"]
+    for label, f in res.items():
+        row = f"| {label} |" + "".join(f" {f[p] * 100:+.1f}% |" for p in PAIRS)
         if speed:
-            row += f" {f['hashed'] / speed / f['cpu_off'] * 100:+.1f}% |"
+            floor = f["hashed"] / speed / f["cpu off"]
+            row += (f" +{floor * 100:.1f}% | {f['on / off'] / floor:.2f} x | "
+                    f"{f['before / before off'] / floor:.2f} x |")
         rows.append(row)
     return rows
 
@@ -168,10 +213,10 @@ def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
         return [], f"skipped: {cap.detail}"
     res, notes = {}, []
     for label, frac in FRACTIONS.items():
-        # params + grads + both optimizers' resident state + 320 MiB of interpreter and torch
-        # (264 MiB RSS after the imports here): the ~0.8-1.8 x n x 4 bytes of spill files
-        # (two optimizers) cannot stay in the page cache
-        limit = 8 * n + int(2 * 8 * n * frac) + 320 * MIB
+        # params + grads + every mode's optimizer's resident state + 320 MiB of interpreter
+        # and torch (264 MiB RSS after the imports here): the ~1.6-3.6 x n x 4 bytes of spill
+        # files (four optimizers) cannot stay in the page cache
+        limit = 8 * n + int(len(MODES) * 8 * n * frac) + 320 * MIB
         cg, join = child_cgroup(cap, limit, "tightfit-bench-checksums")
         cmd = [sys.executable, __file__, "--child", label, "--params", str(n), "--rounds",
                str(rounds)]  # fmt: skip
@@ -190,7 +235,8 @@ def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000)
-    parser.add_argument("--rounds", type=int, default=10, help="timed steps per optimizer")
+    parser.add_argument("--rounds", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--disk-rounds", type=int, default=10, help="the same under the cap")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checksums.md"))
     parser.add_argument("--child", choices=list(FRACTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,7 +250,8 @@ def main() -> int:
     speed = in_cache_speed()
     torch.set_num_threads(threads)
     second = table(paged(args.params, args.rounds, 8 * MIB, list(FRACTIONS)), speed)
-    third, how = disk_bound(args.params, args.rounds, 8 * MIB)
+    load_mid = os.getloadavg()
+    third, how = disk_bound(args.params, args.disk_rounds, 8 * MIB)
     load_end = os.getloadavg()
     v = versions()
     text = [
@@ -213,7 +260,9 @@ def main() -> int:
         f"Written by `benchmarks/checksums.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores (torch {torch.get_num_threads()} "
-        f"threads); load average {load[0]:.2f} at the start, {load_end[0]:.2f} at the end",
+        f"threads); load average (1 min) {load[0]:.2f} at the start, {load_mid[0]:.2f} after the "
+        f"page-cache steps, {load_end[0]:.2f} at the end (other work shares the machine: "
+        "compare modes only by their paired ratios)",
         f"- versions: python {v['python']}, torch {v['torch']}, xxhash {xxhash.VERSION}; "
         f"tightfit at commit {git_commit()}",
         "",
@@ -228,13 +277,18 @@ def main() -> int:
         "",
         "Every streamed page is verified when it is read in and hashed when it is written back:",
         "2 x the non-resident bytes per step. The spill files fit in the page cache, so these",
-        "copies run at RAM speed. *floor*: the MiB hashed at the in-cache speed above, as a",
-        "share of the off step's CPU time — the least any hash of every byte costs here.",
-        "*paired*: the median over rounds of (on step / off step of the same round) - 1.",
+        "copies run at RAM speed. Modes, round-robin in one process: *on* the pager as it is",
+        "(256 KiB chunks copied and hashed in cache on the copy worker), *off* the same copy",
+        "without the hash, *before* the striped copy and hash this replaced (4 MiB stripes on two",
+        "threads), *before off* a plain torch copy (the earlier figures' off).",
+        "*floor*: the MiB hashed at the in-cache speed above, as a share of the off step's CPU",
+        "time — the least any hash of every byte costs here. Ratios: the median over rounds of",
+        "(one mode's step / the other's step of the same round) - 1; the target is on / off at",
+        "most 1.5 x the floor.",
         "",
         *second,
         "",
-        f"## The same under a memory cap: pages from and to the disk ({args.rounds} rounds, "
+        f"## The same under a memory cap: pages from and to the disk ({args.disk_rounds} rounds, "
         "medians)",
         "",
         f"Cap: {how}.",

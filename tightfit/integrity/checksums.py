@@ -127,9 +127,9 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
     GIL), then fed to its stripe's streaming XXH3 from ``dst`` while it is still in the core's
     cache, so hashing costs XXH3's in-cache speed and no second read of RAM; the stripes'
     digests combine as :func:`page_checksum` does. Measured against the striped copy on two
-    threads this replaced (``benchmarks/results/checksums.md``): the paged step's extra time
-    fell from +25-50 % to near the floor of hashing every byte once in cache, as the second
-    thread only competed with the update for the cores.
+    threads this replaced (``benchmarks/results/checksums.md``, a loaded 2-core machine): a
+    paged step's extra time fell from +21 % / +35 % to +16 % / +8 % (50 % / 10 % resident;
+    floor +9 % / +14 %), as the second thread only competed with the update for the cores.
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_and_checksum: {dst.numel()} bytes to {src.numel()}")

@@ -61,7 +61,8 @@ class TrainJob:
         ``reshard_after_forward`` picks ZeRO-3 over ZeRO-2 under ``fsdp`` (see the field).
 
         Raises:
-            ValueError: ``fsdp`` without torchrun, or a global batch the ranks cannot split.
+            ValueError: ``fsdp`` without torchrun, a global batch the ranks cannot split, or
+            a CUDA device index (``cuda:N``) under torchrun.
         """
         if not launch.launched_by_torchrun():
             if fsdp:
@@ -77,9 +78,15 @@ class TrainJob:
                 f"processes; pass a multiple of {world}"
             )
         # Under torchrun each rank takes cuda:LOCAL_RANK: only the device type is the user's.
+        _refuse_device_index(device)
         kind = "auto" if device is None else torch.device(device).type
         info = launch.init_from_env(device=kind)  # type: ignore[arg-type]
         return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward)
+
+    def model_device(self, requested: str | None) -> str | torch.device | None:
+        """Where the model and optimizer go: this rank's device under torchrun (the one NCCL
+        was bound to), else what ``--device`` asked for (``None``: the default)."""
+        return self.info.device if self.distributed else requested
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module to run forward/backward through (``model`` itself in one process)."""
@@ -248,3 +255,22 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if main:
             out[name] = full.detach().to("cpu", copy=True)
     return out
+
+
+def _refuse_device_index(device: str | None) -> None:
+    """Under torchrun, ``--device cuda:N`` is refused rather than overridden.
+
+    Each rank computes on ``cuda:LOCAL_RANK`` (NCCL's process group is bound to it), so an
+    index would put every rank on one GPU. Overriding it silently would hide that the user's
+    choice of GPU was not honoured; refusing it is the same on every rank (they all parse the
+    same arguments), so no rank is left waiting in the process group for one that raised.
+    """
+    if device is None:
+        return
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is not None:
+        raise ValueError(
+            f"--device {device} under torchrun: each rank computes on cuda:LOCAL_RANK (the GPU "
+            "NCCL binds), so an index would put every rank on one GPU; pass --device cuda and "
+            "choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )

@@ -140,7 +140,9 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
     log(data.epochs(t.steps))
 
     example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
-    model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example, device=t.device)
+    # under torchrun the rank's own device (cuda:LOCAL_RANK), which NCCL and DDP use
+    model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example,
+                    device=job.model_device(t.device))
     info = model.tightfit_info
     runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
     o = _optimizer_options(cfg, log)

@@ -3,9 +3,10 @@
 The pager keeps the device tier under a target occupancy; a probe is how it sees the real
 usage, including memory it does not own (activations, gradients, other libraries):
 
-- :class:`CudaProbe` — a CUDA device, from the driver (``torch.cuda.mem_get_info``) corrected
-  by the caching allocator's reserved-but-unallocated bytes, which torch can reuse without
-  asking the driver and so are headroom, not usage.
+- :class:`CudaProbe` — a CUDA device, from the driver (``torch.cuda.mem_get_info``) and the
+  caching allocator: its whole free segments are headroom (torch reuses them without asking
+  the driver), the holes in split segments are not; capacity is capped by the per-process
+  memory fraction.
 - :class:`CgroupProbe` — the CPU under a memory cgroup with a limit: what the cgroup charges
   less its page cache, against that limit (the CPU's default there).
 - :class:`RSSProbe` — the CPU, as this process's resident set size (psutil). Its capacity is
@@ -99,10 +100,22 @@ class Probe(ABC):
 class CudaProbe(Probe):
     """Usage of a CUDA device: what is not available to a new tensor of this process.
 
-    ``used = total - free - (reserved - allocated)``: ``total - free`` comes from the driver
-    and counts every process and context on the device; the caching allocator's reserved but
-    unallocated bytes are subtracted because torch reuses them without asking the driver, so a
-    cache that grew during a spike does not look like pressure after it.
+    ``capacity`` is the device's total, capped by ``torch.cuda.get_per_process_memory_fraction``
+    (the caching allocator refuses to reserve past ``fraction * total``; the default 1.0 is no
+    cap). ``used = capacity - room``, where a new tensor's room is
+
+    - the driver's free bytes (``mem_get_info``, every process and context counted), within
+      what the fraction still lets this process reserve (``fraction * total - reserved``), plus
+    - the caching allocator's reserved-but-unallocated bytes **in whole free segments only**:
+      torch reuses or releases those for a request of any size. The free holes inside split
+      segments (``inactive_split_bytes`` of ``memory_stats``) are not room: evicted 8 MiB pages
+      leave them inside 20 MiB segments and a large activation cannot use them, so counting them
+      would show room where the allocator would raise OOM. Without that statistic (another
+      allocator backend) no cached byte counts as room.
+
+    So ``used = allocated + split holes + max(0, capacity - free - reserved)`` (the last term:
+    what others hold of this process's share). A cache that grew during a spike and is now
+    free, whole, does not look like pressure after it.
 
     Args:
         device: A CUDA device (``"cuda"``, ``"cuda:1"``, an index). ``None`` is the current one.
@@ -129,23 +142,46 @@ class CudaProbe(Probe):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         _, self._total = torch.cuda.mem_get_info(device)
-        self._last_max = torch.cuda.max_memory_allocated(device)
+        self._last_max = int(torch.cuda.memory_stats(device).get("allocated_bytes.all.peak", 0))
 
     def capacity_bytes(self) -> int:
-        return int(self._total)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        cap = float(fraction(self.device)) if callable(fraction) else 1.0
+        return min(int(self._total), int(cap * self._total))
+
+    def _others(self, stats: dict) -> int:
+        """What others hold of this process's share: ``max(0, capacity - free - reserved)``."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(0, self.capacity_bytes() - int(free) - int(stats.get("reserved_bytes.all.current", 0)))
+
+    @staticmethod
+    def _holes(stats: dict) -> int:
+        """Reserved-but-unallocated bytes a large request cannot use (see the class docstring)."""
+        split = stats.get("inactive_split_bytes.all.current")
+        if split is None:  # no such statistic: count every cached byte as used
+            return int(stats.get("reserved_bytes.all.current", 0)) - int(
+                stats.get("allocated_bytes.all.current", 0))
+        return int(split)
 
     def _used_bytes(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(total - free - cached)
+        stats = torch.cuda.memory_stats(self.device)
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        return self._others(stats) + allocated + self._holes(stats)
 
     def interval_peak_bytes(self) -> int | None:
-        top = torch.cuda.max_memory_allocated(self.device)
-        if top <= self._last_max:
+        """The allocator's peak since the previous call, in :meth:`used_bytes`'s terms.
+
+        ``max_memory_allocated`` only falls when someone resets it (``MemoryTracker`` does,
+        every ``track_every`` steps), and a reset after the previous call makes everything
+        it has seen since part of this interval. So a peak that differs from the one the
+        previous call saw is new: higher, or after a reset. The same peak is ``None``.
+        """
+        stats = torch.cuda.memory_stats(self.device)
+        top = int(stats.get("allocated_bytes.all.peak", 0))
+        if top == self._last_max:
             return None
         self._last_max = top
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(total - free - torch.cuda.memory_reserved(self.device) + top)
+        return self._others(stats) + top + self._holes(stats)
 
     def allocator_peak_bytes(self) -> int:
         """Peak of the caching allocator (``max_memory_allocated``) plus today's non-torch usage.

@@ -9,8 +9,10 @@ Per step, :class:`StepMemory` records what a person watching the machine would s
 * the count of steps this process has measured (``process_step``: 1 on the first step of a
   run and on the first step after each resume, where the high-water marks start again).
 
-Nothing is reset: the high-water marks are the process's (other readers of them, the
-pager's probes among them, see every transient), so a spike shows as a step up of the line,
+Nothing is reset here: the high-water marks are the process's, so a spike shows as a step
+up of the line. ``MemoryTracker`` (``--track-every``) does reset the allocator's peak, so on
+CUDA ``mem_peak`` is the largest ``max_memory_allocated`` any step has read: a reset cannot
+lower it (a transient before a reset within a tracked step is in the tracker's figures),
 and the first steps' mark includes what setting up the run needed (the checkpoint planner
 profiles the longest batch without checkpointing).
 """
@@ -35,6 +37,7 @@ class StepMemory:
         self.device = device
         self._rss = RSSProbe()
         self._steps = 0
+        self._peak = 0  # the largest allocator peak read (MemoryTracker resets torch's)
 
     def end_step(self) -> dict[str, int | None]:
         """``mem_total``, ``mem_peak`` (CUDA only, so far; ``None`` on the CPU), ``host_rss``
@@ -43,7 +46,8 @@ class StepMemory:
         rss = self._rss.used_bytes()
         if self.device.type == "cuda":
             total = torch.cuda.memory_allocated(self.device)
-            peak: int | None = torch.cuda.max_memory_allocated(self.device)
+            self._peak = max(self._peak, int(torch.cuda.max_memory_allocated(self.device)))
+            peak: int | None = self._peak
         else:
             total, peak = rss, None
         # the kernel updates its high-water mark lazily: it may trail the RSS just read

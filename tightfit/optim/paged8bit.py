@@ -198,15 +198,16 @@ class Paged8bitOptimizer(PagedOptimizer):
         counts = self._host_counts(steps)
         two = n == 2
         qmap1, qmap2 = self._maps
-        for k, (p, g) in enumerate(zip(params, grads)):
-            ops.optimizer_update_8bit_blockwise(
-                self.kernel, self._kernel_grad(group, p, g), p,
-                states["state1"][k], states["state2"][k] if two else None,
-                beta1, beta2, 0.0, 0.0, eps, int(counts[k]), lr,
-                qmap1, qmap2 if two else None,
-                states["absmax1"][k], states["absmax2"][k] if two else None,
-                wd, 1.0, False,
-            )  # fmt: skip
+        with quant8.bnb_stream_order(params[0].device):  # bnb launches on the legacy stream
+            for k, (p, g) in enumerate(zip(params, grads)):
+                ops.optimizer_update_8bit_blockwise(
+                    self.kernel, self._kernel_grad(group, p, g), p,
+                    states["state1"][k], states["state2"][k] if two else None,
+                    beta1, beta2, 0.0, 0.0, eps, int(counts[k]), lr,
+                    qmap1, qmap2 if two else None,
+                    states["absmax1"][k], states["absmax2"][k] if two else None,
+                    wd, 1.0, False,
+                )  # fmt: skip
 
     def _host_counts(self, steps: list[torch.Tensor]) -> list[int]:
         """Each step tensor's count as an int, read from the device once per optimizer step:

@@ -18,8 +18,10 @@ through a 2^17-entry lookup table on the float's top bits instead of a binary se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -74,6 +76,32 @@ def bnb_ops() -> object:
     import bitsandbytes  # noqa: F401
 
     return torch.ops.bitsandbytes
+
+
+@contextlib.contextmanager
+def bnb_stream_order(device: torch.device) -> Iterator[None]:
+    """Order bitsandbytes' kernels, launched on the legacy default stream, with torch's stream.
+
+    bitsandbytes' CUDA ops pass no stream: ``optimizer_update_8bit_blockwise`` runs on the
+    legacy default stream, while the page loads it reads were ordered on torch's current
+    stream, and torch's streams are non-blocking (no implicit sync with the legacy one). So
+    when the current stream is not the default one, the default stream waits for the current
+    one before the kernels (the loads have landed) and the current one waits for the default
+    one after them (what follows, a page going out included, sees the update). A no-op off
+    CUDA and on the default stream.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if current == default:
+        yield
+        return
+    default.wait_stream(current)
+    try:
+        yield
+    finally:
+        current.wait_stream(default)
 
 
 def bnb_has_kernel(device: torch.device) -> bool:

@@ -28,6 +28,10 @@ fi
 status=0
 
 section() { echo; echo "=== $1 ===" | tee -a "$LOG"; }
+# an output filter (grep's arguments): showing no line is not a failure. grep exits 1 when no
+# line matches, which pipefail would turn into the section's failure; the command's own exit
+# status still fails the pipeline (tests/qlora/test_longctx_gpu_script.py)
+only() { grep "$@" || true; }
 
 # --- paged optimizer: its CUDA tests, then the comparison with torch and bitsandbytes ------
 section "paged optimizer: CUDA tests"
@@ -53,7 +57,7 @@ timeout 80 "$PY" -m pytest -q -m cuda tests --deselect tests/optim/test_adamw_cu
 section "long context: 8B shape under a 24 GiB cap, tightfit vs HF (longest sequence)"
 timeout 160 "$PY" benchmarks/long_context_gpu.py --start 32768 --resolution 8192 \
   --limit 98304 --box 50 --out benchmarks/results/long_context_cuda.jsonl 2>&1 \
-  | tee -a "$LOG" | grep -v "^Loading\|^Writing" | tail -12 || status=1
+  | tee -a "$LOG" | only -v "^Loading\|^Writing" | tail -12 || status=1
 
 # --- end to end: tightfit stack vs HF stack on the GPU (bf16), peak + step time -------------
 section "e2e: tightfit vs HF + bitsandbytes + peft stack on CUDA"
@@ -68,19 +72,19 @@ if [ "${NGPU:-0}" -ge 2 ]; then
   section "distributed: FSDP2 on 2 GPUs, PagedAdamW vs torch AdamW, DCP save/resume, 2 -> 1 rank"
   timeout 150 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy fsdp \
-    --device cuda --out "$DIST_OUT/fsdp" 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+    --device cuda --out "$DIST_OUT/fsdp" 2>&1 | tee -a "$LOG" | only "selfcheck" || status=1
   timeout 90 "$PY" -m tightfit.distributed.selfcheck --strategy fsdp --device cuda \
-    --out "$DIST_OUT/fsdp" --resume-only 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+    --out "$DIST_OUT/fsdp" --resume-only 2>&1 | tee -a "$LOG" | only "selfcheck" || status=1
   section "distributed: FSDP2 on 2 GPUs with PagedAdamW8bit (bitsandbytes' CUDA kernel)"
   # 8-bit vs the fp32 reference differs by quantization: the CPU run's max abs diff was 8.2e-4
   timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy fsdp \
     --optim paged8bit --tol 3e-3 --device cuda --out "$DIST_OUT/fsdp8" 2>&1 | tee -a "$LOG" \
-    | grep "selfcheck" || status=1
+    | only "selfcheck" || status=1
   section "distributed: DDP on 2 GPUs"
   timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$(free_port)" -m tightfit.distributed.selfcheck --strategy ddp \
-    --device cuda --out "$DIST_OUT/ddp" 2>&1 | tee -a "$LOG" | grep "selfcheck" || status=1
+    --device cuda --out "$DIST_OUT/ddp" 2>&1 | tee -a "$LOG" | only "selfcheck" || status=1
   section "distributed: tightfit train --fsdp on 2 GPUs (QLoRA stack, paging budget)"
   timeout 180 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
     --master_port "$(free_port)" -m tightfit.cli train --fsdp --steps 6 --save-every 3 \

@@ -17,8 +17,15 @@ weights on the device and quantized there, so the full bf16 model never exists.
 
 ``--tiny`` runs the same code path on a small config on the CPU, where the cap is a
 *simulated* budget (``--budget``: a step fits when its measured peak of live tensor bytes is
-within it): that is how it is tested without a GPU (tests/qlora/test_longctx_gpu.py).
-Results: one JSON line per probe and a summary line, on stdout and in ``--out``.
+within it): that is how it is tested without a GPU (tests/qlora/test_longctx_gpu_script.py).
+Results, on stdout and in ``--out`` (JSON lines, each written and flushed as it happens, so a
+run killed by its time box keeps what it measured): a ``run`` line (device, cap, tightfit's
+predicted longest), one line per probe, a ``stack_summary`` line as each stack finishes, and
+the ``summary`` line at the end. A probe that runs out of memory (``torch.OutOfMemoryError``)
+or for which no plan fits (``ValueError``) "does not fit"; any other error (a sticky CUDA error
+such as ``torch.AcceleratorError``, after which the context is unusable) is written as a
+``fatal`` line and stops the script, instead of reading as "does not fit" for every later
+probe.
 """
 
 from __future__ import annotations
@@ -141,14 +148,19 @@ def probe(stack: str, model: torch.nn.Module, tokens: int, a: argparse.Namespace
         loss, peak, seconds = step(model, batch, a.device)
         rec.update(ok=a.device == "cuda" or peak <= a.budget, loss=loss, peak=peak,
                    seconds=seconds, tokens_per_s=tokens / seconds)
-    except (torch.OutOfMemoryError, ValueError, RuntimeError) as e:  # OOM, or no plan fits
+    except (torch.OutOfMemoryError, ValueError) as e:  # OOM, or no plan fits
         rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:160]}")
-    finally:
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
+    # any other error propagates, before the clean-up below touches a context it may have
+    # broken (a sticky CUDA error fails every later call): main() reports it and stops
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
     return rec
+
+
+class ProbeFailed(RuntimeError):
+    """A probe raised something other than "does not fit": the run stops."""
 
 
 def search(ok: callable, a: argparse.Namespace) -> tuple[int, int | None, bool]:  # type: ignore[valid-type]
@@ -217,12 +229,21 @@ def main(argv: list[str] | None = None) -> dict:
             out.write(json.dumps(rec) + "\n")
             out.flush()
 
+    try:
+        return _run(a, emit)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _run(a: argparse.Namespace, emit: callable) -> dict:  # type: ignore[valid-type]
     if a.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GiB / total))
     summary: dict = {"device": a.device, "cap_gib": a.cap_gib if a.device == "cuda" else None,
                      "simulated_budget": a.budget if a.device != "cuda" else None,
                      "predicted_longest": predicted_longest(a), "unsloth": UNSLOTH_TOKENS}
+    emit({"run": dict(summary)})  # on disk before the first (long) build
     for stack in a.stacks.split(","):
         t0 = time.perf_counter()
         x = torch.zeros(1, min(a.start, 2048), dtype=torch.long, device=a.device)
@@ -232,7 +253,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         def ok(n: int, stack: str = stack, model: torch.nn.Module = model,
                records: list[dict] = records) -> bool:
-            rec = probe(stack, model, n, a)
+            try:
+                rec = probe(stack, model, n, a)
+            except Exception as e:
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+                emit({"stack": stack, "tokens": n, "fatal": why})
+                raise ProbeFailed(
+                    f"long_context_gpu: the {stack} probe at {n} tokens raised {why}. That is "
+                    "not out-of-memory; after a CUDA error the context is unusable, so the run "
+                    f"stops here (the probes so far are in {a.out or 'the output above'})."
+                ) from e
             records.append(rec)
             emit(rec)
             return bool(rec["ok"])
@@ -242,13 +272,12 @@ def main(argv: list[str] | None = None) -> dict:
         summary[stack] = {"longest": lo, "first_failed": hi, "time_boxed": boxed,
                           "tokens_per_s": best.get("tokens_per_s"), "build_s": built_s,
                           "probes": len(records)}
+        emit({"stack_summary": {stack: summary[stack]}})
         del model, ok
         gc.collect()
         if a.device == "cuda":
             torch.cuda.empty_cache()
     emit({"summary": summary})
-    if out is not None:
-        out.close()
     return summary
 
 

@@ -27,8 +27,10 @@ On the CPU, torch's foreach ops are themselves a loop over the tensors running t
 single-tensor kernels, so ``foreach=True`` runs the loop there: the same results bit for bit
 (tested against torch's foreach Adam), without the copy and with one tensor's temporaries.
 
-Step counts are read with one ``tolist()`` for the call (torch reads each with ``.item()``:
-a device sync per tensor); they are the param's counts, already incremented by the step.
+Step counts are the caller's numbers (the paged optimizers read every count once per step,
+:mod:`tightfit.optim.host_reads`), else read with one ``tolist()`` for the call (torch reads
+each with ``.item()``: a device sync per tensor); they are the params' counts, already
+incremented by the step.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def adam_(
     max_exp_avg_sqs: Tensors,
     steps: Tensors,
     *,
+    counts: list[float] | None = None,
     foreach: bool,
     amsgrad: bool,
     beta1: float,
@@ -67,6 +70,8 @@ def adam_(
 
     Args:
         steps: the step counts of this update (already incremented; only read).
+        counts: their values as numbers, when the caller has them (the paged optimizers
+            read every count once per step); else read here, once for the call.
         foreach: torch's foreach kernels (``lr`` a number), else its one-tensor loop (which
             on the CPU also stands in for foreach: the same kernels and results there).
     """
@@ -74,7 +79,7 @@ def adam_(
         return
     kw = {"amsgrad": amsgrad, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay,
           "eps": eps, "maximize": maximize, "decoupled": decoupled_weight_decay}  # fmt: skip
-    counts = _counts(steps)
+    counts = _counts(steps) if counts is None else counts
     if foreach and not (LOOP_ON_CPU and params[0].device.type == "cpu"):
         _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, counts, lr=lr, **kw)
     else:

@@ -149,8 +149,9 @@ class PagedAdamW(PagedOptimizer):
                 grad_scale=None if scale is None else scale.to(params[0].device),
             )
             return
-        if impl == "foreach" and isinstance(lr, torch.Tensor):
-            lr = lr.item()  # torch's foreach kernels take lr as a number
+        # step counts and a tensor lr as host values, read once per step (not per update
+        # call: that is a device sync per streamed page); foreach kernels take lr as a number
+        lr = self._host.scalar(lr) if impl == "foreach" else self._host.on_host(lr)
         # torch's foreach/single-tensor math, allocating before it writes (adam_math): an
         # update that raises (out of memory) changed nothing, as the sweep needs
         adam_math.adam_(
@@ -160,6 +161,7 @@ class PagedAdamW(PagedOptimizer):
             states["exp_avg_sq"],
             states.get("max_exp_avg_sq", []),
             steps,
+            counts=self._host.counts(steps),
             foreach=impl == "foreach",
             decoupled_weight_decay=decoupled,
             amsgrad=group["amsgrad"],

@@ -99,11 +99,12 @@ class PagedAdamW8bit(Paged8bitOptimizer):
         impl = hyper.implementation(group, params[0].device)
         beta1, beta2 = (hyper.scalar(b) for b in group["betas"])
         lr = group["lr"]
-        if impl != "fused" and isinstance(lr, torch.Tensor):
-            lr = lr.item()  # torch's foreach kernels take lr as a number
         if impl != "fused":  # allocating before it writes: a failed update changed nothing
+            # step counts and a tensor lr read once per step, not per update call
+            lr = self._host.scalar(lr) if impl == "foreach" else self._host.on_host(lr)
             adam_math.adam_(
                 params, grads, states["state1"], states["state2"], [], steps,
+                counts=self._host.counts(steps),
                 foreach=impl == "foreach", decoupled_weight_decay=self._decoupled,
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,

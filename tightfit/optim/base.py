@@ -36,6 +36,7 @@ import torch
 
 from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.optim import update_lists
+from tightfit.optim.host_reads import HostReads
 from tightfit.optim.optimizer_options import check_keywords, paging_options
 from tightfit.optim.param_groups import GroupLayout, common_device, intake
 from tightfit.optim.param_state import ParamState, StateAccess, adopt_plain_states, step_tensor
@@ -99,7 +100,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         # the update lists cached per resident bucket (tightfit.optim.update_lists): ours,
         # emptied by the store whenever pages move or it closes, and by us when the state is
         # replaced
-        self._view_cache: dict[Any, Any] = {}
+        self._view_cache = update_lists.ViewCache()
+        self._host = HostReads()  # step counts, tensor hyperparameters: read once a step
         self._access = StateAccess(self)  # optimizer.state[p]'s reads and writes
         self._pressure: OccupancyControl | None = None
         self._finalizer: weakref.finalize | None = None
@@ -241,6 +243,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
     def _state_replaced(self) -> None:
         """A ``step`` tensor was replaced: cached update lists hold the old one."""
         self._view_cache.clear()
+        self._host.clear()
 
     # ------------------------------------------------------------------ memory
     @property
@@ -351,6 +354,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
             self._step_id += 1
             self._pending_step = self._step_id
             torch._foreach_add_(steps, 1)
+            self._host.begin(steps)
         self._grad_scale = getattr(self, "grad_scale", None)
         try:
             self._run_sweep_or_stream()
@@ -442,7 +446,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         params = group["params"]
         staged = update_lists.staging(params, items, self._maybe_staged, self._access.orders)
         lists = update_lists.bucket_lists(
-            self.state, params, items, self._view_limit, self._view_cache,
+            self.state, params, items, self._view_limit, self._view_cache.for_step(self._step_id),
             self._access.orders, staged,
         )  # fmt: skip
         if lists is None:

@@ -43,13 +43,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from tightfit.optim import hyper, quant8, torch_format
+from tightfit.optim import quant8, torch_format
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.dtensor import is_dtensor, like_param, local_state, local_tensor
 from tightfit.optim.element_order import PLAIN
 from tightfit.optim.optimizer_options import check_keywords
 from tightfit.optim.param_groups import common_device, intake
-from tightfit.optim.param_state import ParamState
 from tightfit.optim.update_lists import Group, StateLists, Tensors
 from tightfit.paging.layout import StateSpec
 
@@ -194,7 +193,7 @@ class Paged8bitOptimizer(PagedOptimizer):
         n = self._n_states()
         ops = quant8.bnb_ops()
         beta1, beta2, eps, wd = self._kernel_args(group)
-        lr = hyper.scalar(group["lr"])
+        lr = self._host.scalar(group["lr"])
         counts = self._host_counts(steps)
         two = n == 2
         qmap1, qmap2 = self._maps
@@ -210,18 +209,11 @@ class Paged8bitOptimizer(PagedOptimizer):
                 )  # fmt: skip
 
     def _host_counts(self, steps: list[torch.Tensor]) -> list[int]:
-        """Each step tensor's count as an int, read from the device once per optimizer step:
-        bitsandbytes' kernel takes the count as a number, and a read per update call would
-        synchronize a GPU once per streamed page, stalling the copies behind it. Kept in the
-        view cache, which page moves and state loads empty."""
-        cache = self._view_cache
-        step_id, counts = cache.get("step counts", (None, {}))
-        if step_id != self._step_id or any(id(s) not in counts for s in steps):
-            every = [st.plain["step"] for st in self.state.values()
-                     if type(st) is ParamState and "step" in st.plain]  # fmt: skip
-            counts = dict(zip(map(id, every), torch.stack(every).tolist()))
-            cache["step counts"] = (self._step_id, counts)
-        return [int(counts[id(s)]) for s in steps]
+        """Each step tensor's count as an int, read from the device once per optimizer step
+        (:class:`~tightfit.optim.host_reads.HostReads`): bitsandbytes' kernel takes the count
+        as a number, and a read per update call would synchronize a GPU once per streamed
+        page, stalling the copies behind it."""
+        return [int(c) for c in self._host.counts(steps)]
 
     def _update_torch_chunk(
         self, group: Group, idx: list[int], params: Tensors, grads: Tensors, states: StateLists,

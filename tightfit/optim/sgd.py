@@ -124,7 +124,7 @@ class PagedSGD(PagedOptimizer):
             grad_scale=scale,
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
-            lr=hyper.scalar(group["lr"]),
+            lr=self._host.scalar(group["lr"]),  # a tensor lr: read once per step
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
@@ -136,7 +136,7 @@ class PagedSGD(PagedOptimizer):
         bufs = states["momentum_buffer"]
         first: list[int] = []
         if group["dampening"] != 0:  # only then does torch's first step differ from a zero buffer
-            first = [k for k, c in enumerate(torch.stack(steps).tolist()) if c == 1]
+            first = [k for k, c in enumerate(self._host.counts(steps)) if c == 1]
         if not first:
             self._sgd(group, params, grads, list(bufs))
             return

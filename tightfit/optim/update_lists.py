@@ -7,12 +7,14 @@ them costs microseconds of Python per param every step; torch's own optimizer sp
 half that. For a bucket of resident pages everything but the grads is the same from step to
 step, so it is kept in the optimizer's view cache and only the grad views are made afresh.
 
-The cache is the optimizer's (a dict); paging only invalidates it. It is keyed by the pages'
+The cache is the optimizer's (a :class:`ViewCache`); paging only invalidates it. It is keyed by the pages'
 array objects (the store makes new ones whenever a page moves; :meth:`Page.owns` tells them
 from a window slot's) and which params have a gradient. The store empties it whenever pages
 move or it closes (:meth:`PageStore.on_move`: it never keeps evicted memory alive), the
 optimizer when its state is replaced. A param whose storage changed (``p.data = ...``) is
-caught by comparing data pointers. Params whose memory is not in page order (see
+caught by comparing data pointers. It holds at least as many entries as the last step looked up
+buckets (the sweep makes one resident bucket per streamed page), least recently used out
+first, so a step with many buckets finds every one again the next step. Params whose memory is not in page order (see
 :mod:`tightfit.optim.element_order`) are updated through staging copies made for the one update, so a
 bucket holding one is never cached.
 """
@@ -28,12 +30,33 @@ from tightfit.optim.element_order import PLAIN, ElementOrder
 from tightfit.paging.coalesce import coalesce
 from tightfit.paging.layout import Page
 
-_MAX_ENTRIES = 64  # resident batches per step are few (one per layout, or one per streamed page)
+_MIN_ENTRIES = 64  # kept however few buckets a step has (one per layout, or per streamed page)
 
 Group = dict[str, Any]  # a param group
 Tensors = list[torch.Tensor]  # parallel flat views: params, grads, one state array or steps
 StateLists = dict[str, Tensors]  # per state name, its views
 Lists = tuple[Tensors, Tensors, StateLists, Tensors]  # what an update gets: see bucket_lists
+
+
+class ViewCache(dict):
+    """The optimizer's cached update lists: a dict that keeps as many entries as a step has
+    buckets (at least ``_MIN_ENTRIES``), evicting the least recently used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._step: int | None = None
+        self._this = self._last = 0  # buckets looked up this step, in the last
+
+    def for_step(self, step_id: int) -> ViewCache:
+        """Count one bucket's lookup in step ``step_id``; returns the cache."""
+        if step_id != self._step:
+            self._step, self._last, self._this = step_id, self._this, 0
+        self._this += 1
+        return self
+
+    @property
+    def limit(self) -> int:
+        return max(_MIN_ENTRIES, self._this, self._last)
 
 
 def bucket_lists(
@@ -68,8 +91,9 @@ def bucket_lists(
             tuple(id(arrays) for _, arrays in bucket),
             tuple(params[s.param].grad is not None for page, _ in bucket for s in page.segments),
         )
-        hit = cache.get(key)
+        hit = cache.pop(key, None)
         if hit is not None:
+            cache[key] = hit  # the most recently used: evicted last
             meta, views, states, steps, ptrs, plain = hit
             if all(p.data_ptr() == ptr for (p, _, _, _), ptr in zip(meta, ptrs)):
                 if plain:  # the common case, without a call per param
@@ -96,8 +120,9 @@ def bucket_lists(
         for name, view in arrays.items():
             states[name].append(view)
     if key is not None and not any(is_dtensor(p) for p, *_ in runs):  # DTensors: not cached
-        if len(cache) >= _MAX_ENTRIES:
-            cache.clear()
+        limit = cache.limit if isinstance(cache, ViewCache) else _MIN_ENTRIES
+        while len(cache) >= limit:
+            del cache[next(iter(cache))]  # the least recently used
         plain = all(o.plain for *_, o in meta)
         cache[key] = (meta, views, states, steps, [p.data_ptr() for p, *_ in meta], plain)
     return views, grads, states, steps

@@ -99,21 +99,43 @@ def param_storages(module: nn.Module) -> set[int]:
 
 
 class _Item:
-    """One offloaded storage: its region, the write in flight, the bytes fetched back."""
+    """One offloaded storage: its region, the write in flight, the bytes fetched back.
 
-    __slots__ = ("region", "nbytes", "src", "put", "dst", "get", "segment", "__weakref__")
+    ``pending`` holds the copies whose device tensor (``src``, ``dst``) the compute has not
+    yet waited for (``"put"``, ``"get"``); an item that dies with one pending (a backward
+    that raised, ``autograd.grad`` of a subset, a skipped node) has the engine
+    :meth:`~tightfit.tiers.copy.CopyEngine.forget` it before that memory is freed.
+    """
+
+    __slots__ = ("region", "nbytes", "src", "dst", "pending", "segment", "__weakref__")
 
     def __init__(self, region: list, nbytes: int, src: torch.Tensor, put: object,
                  segment: int) -> None:
         self.region = region  # [Region] until it is given back, then []
-        self.nbytes, self.src, self.put, self.segment = nbytes, src, put, segment
+        self.nbytes, self.src, self.segment = nbytes, src, segment
+        self.pending: dict[str, object] = {"put": put}
         self.dst: torch.Tensor | None = None
-        self.get: object | None = None
+
+    @property
+    def put(self) -> object | None:
+        return self.pending.get("put")
+
+    @property
+    def get(self) -> object | None:
+        return self.pending.get("get")
 
 
 def _give_once(pool: RegionPool, holder: list) -> None:
     if holder:
         pool.give(holder.pop())
+
+
+def _item_died(engine: CopyEngine, pool: RegionPool, holder: list, pending: dict) -> None:
+    # runs before the item's tensors are freed (weakref callbacks come first)
+    for handle in pending.values():
+        engine.forget(handle)
+    pending.clear()
+    _give_once(pool, holder)
 
 
 class Offloader:
@@ -182,7 +204,8 @@ class Offloader:
         self._unreleased.append(region)
         holder = [region]
         item = _Item(holder, nbytes, src, handle, segment)
-        weakref.finalize(item, _give_once, self.pool, holder)
+        died = weakref.finalize(item, _item_died, self.engine, self.pool, holder, item.pending)
+        died.atexit = False  # no stream calls while the interpreter shuts down
         self._written[segment].append(weakref.ref(item))
         self._items[segment].append(weakref.ref(item))
         self.bytes_offloaded += nbytes
@@ -207,7 +230,7 @@ class Offloader:
             self._release()
         if item.get is not None:
             self.blocked_s += self.engine.wait(item.get)
-            item.get = None
+            del item.pending["get"]
             self._note("wait", item.segment)
             _give_once(self.pool, item.region)  # later writes to it queue behind this read
         out = torch.empty(0, dtype=dtype, device=self.device)
@@ -217,7 +240,7 @@ class Offloader:
         if item.dst is not None:
             return
         item.dst = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)
-        item.get = self.engine.fetch(item.region[0].view, item.dst)
+        item.pending["get"] = self.engine.fetch(item.region[0].view, item.dst)
         self._unreleased.append(item.region[0])
         self.bytes_fetched += item.nbytes
         self._note("fetch", item.segment)
@@ -258,7 +281,8 @@ class Offloader:
             item = ref()
             if item is not None and item.src is not None:
                 self.blocked_s += self.engine.retire(item.put)
-                item.src = item.put = None
+                item.src = None
+                del item.pending["put"]
                 self._note("retire", k)
         self._written[k].clear()
 

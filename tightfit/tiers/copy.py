@@ -203,6 +203,11 @@ class CopyEngine:
         :meth:`wait` makes ``dst`` usable."""
         return self._pool.submit(dst.copy_, home)
 
+    def forget(self, handle: object) -> None:
+        """An :meth:`offload` or :meth:`fetch` whose tensor is dropped before its
+        :meth:`retire` or :meth:`wait` (an offloaded activation that died unread): make its
+        memory safe to reuse. Here nothing to do: the queued copy holds its tensors."""
+
     def then(self, fn: Callable[[], object]) -> CopyTask:
         """Run ``fn`` on the copy thread once the copies queued so far are done (the disk
         tier hands written pages back to the OS there); ``.result()`` waits for it."""
@@ -267,6 +272,7 @@ class CudaCopyEngine(CopyEngine):
 
     def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
         if _pinned(home):
+            self._wait_for_compute()
             with torch.cuda.stream(self.stream):
                 slot.copy_(home, non_blocking=True)
                 event = torch.cuda.Event()
@@ -280,6 +286,7 @@ class CudaCopyEngine(CopyEngine):
         if handle[0] == "staged":  # type: ignore[index]
             _, fut, staging, slot = handle  # type: ignore[misc]
             fut.result()
+            self._wait_for_compute()  # as load()
             with torch.cuda.stream(self.stream):
                 slot.copy_(staging, non_blocking=True)
                 event = torch.cuda.Event()
@@ -314,7 +321,7 @@ class CudaCopyEngine(CopyEngine):
         if not home.is_pinned():
             raise ValueError("CudaCopyEngine.offload moves device bytes to pinned host memory; "
                              "allocate the home with pin_memory=True")
-        return ("event", self._after_compute(lambda: home.copy_(src, non_blocking=True)))
+        return ("event", *self._after_compute(lambda: home.copy_(src, non_blocking=True)))
 
     def retire(self, handle: object) -> float:
         # The compute stream waits for the copy on the GPU: memory the source frees is only
@@ -322,24 +329,44 @@ class CudaCopyEngine(CopyEngine):
         return self.wait(handle)
 
     def fetch(self, home: torch.Tensor, dst: torch.Tensor) -> object:
-        return ("event", self._after_compute(lambda: dst.copy_(home, non_blocking=True)))
+        return ("event", *self._after_compute(lambda: dst.copy_(home, non_blocking=True)))
+
+    def forget(self, handle: object) -> None:
+        # The tensor was allocated on the compute stream and the copy uses it on the side
+        # stream: before its memory goes back to the caching allocator (which hands it out
+        # again in the compute stream's order), the compute stream waits for the copy —
+        # torch's deterministic alternative to record_stream, which would hold every such
+        # block until the side stream's later copies (the next prefetch) are done too.
+        _, done, compute = handle  # type: ignore[misc]
+        compute.wait_event(done)  # the stream the tensor was allocated on
 
     def then(self, fn: Callable[[], object]) -> CopyTask:
         done = torch.cuda.Event()
         done.record(self.stream)
         return self._pool.submit(_wait_then, done, fn)
 
-    def _after_compute(self, copy: Callable[[], object]) -> object:
-        """Run ``copy`` on the side stream after the compute queued so far (it made the
-        source, or last used the memory a fresh ``dst`` reuses); return the event after it."""
+    def _wait_for_compute(self) -> None:
+        """The side stream waits for the compute queued so far (``wait_stream``, as an event):
+        before a load writes a slot, the compute's last use of that memory comes first — a
+        fresh slot's memory may be what the compute just freed, and a slot's update is
+        ordered by ``store()`` only when it did not fail (``finish_step`` after an error)."""
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+
+    def _after_compute(self, copy: Callable[[], object]) -> tuple[object, object]:
+        """Run ``copy`` on the side stream after the compute queued so far (it made the
+        source, or last used the memory a fresh ``dst`` reuses); return the event after it
+        and the compute stream (where the copy's device tensor was allocated)."""
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             copy()
             done = torch.cuda.Event()
             done.record(self.stream)
-        return done
+        return done, compute
 
     def drain(self) -> float:
         # Only host-side writes need waiting for; stream-ordered copies stay asynchronous.

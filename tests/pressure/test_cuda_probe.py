@@ -120,3 +120,16 @@ def test_the_runs_cuda_peak_survives_the_trackers_resets(gpu: FakeAllocator, mon
     gpu.reset_peak()  # MemoryTracker, in the next step
     gpu.alloc(100 * MiB)
     assert mem.end_step()["mem_peak"] == 400 * MiB  # "so far", not since the last reset
+
+
+def test_machine_room_on_cuda_is_the_probes_room_and_names_the_fraction(gpu) -> None:
+    from tightfit.pressure.room import machine_room
+
+    gpu.alloc(300 * MiB)
+    gpu.free(100 * MiB, hole=True)  # 100 MiB of holes in split segments: not room
+    room = machine_room(torch.device("cuda", 0))
+    assert (room.bytes, room.limit) == (800 * MiB - 100 * MiB, "the CUDA device's free memory")
+    gpu.fraction = 0.5
+    room = machine_room(torch.device("cuda", 0))
+    assert room.bytes == 500 * MiB - 300 * MiB
+    assert room.limit == "this process's CUDA memory fraction (0.5 of the device)"

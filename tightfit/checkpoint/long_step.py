@@ -66,7 +66,7 @@ _MIB = 1 << 20
 class Room:
     """Bytes a step could add on its device, and what bounds them, for messages ("the
     memory cgroup's limit (1.00 GiB) less the 412 MiB this process uses");
-    :func:`tightfit.pressure.room.machine_room` reads it."""
+    :func:`tightfit.pressure.room.machine_room` returns it."""
 
     bytes: int
     limit: str

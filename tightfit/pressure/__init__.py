@@ -12,7 +12,8 @@ Here:
         ``default_probe`` (the probe a device gets when none is given).
     watch: ``PressureWatch``, hooks on the model's blocks that see an activation spike coming.
 
-May import measure, model, integrity, tiers and paging. The entry point for users is
+May import measure, model, integrity, tiers, loss, checkpoint (the ``Room`` it returns) and
+paging. The entry point for users is
 ``optimizer_for(model, OptimizerOptions(target=...))``; ``OccupancyControl`` and
 ``PressureWatch`` are public for those who build an optimizer themselves. The test fake
 ``FakeProbe`` is not here: it is ``tests/pressure/fakes.py``'s.

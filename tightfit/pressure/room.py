@@ -1,8 +1,9 @@
 """How many bytes a step could still add on a device: what long-step planning plans against.
 
-On CUDA that is the free memory (the allocator's cached part included) within a per-process
-memory fraction when one is set; on the CPU the memory cgroup's room or the RAM available,
-whichever is smaller. :func:`tightfit.prepare` reads it once and hands the number to
+On CUDA that is what :class:`~tightfit.pressure.probes.CudaProbe` reads as free: within the
+per-process memory fraction, the allocator's whole free segments included, the holes of split
+segments not; on the CPU the memory cgroup's room or the RAM available,
+whichever is smaller. :func:`tightfit.prepare` reads it once and hands the ``Room`` to
 :func:`tightfit.checkpoint.long_step.plan_activations`.
 """
 
@@ -13,22 +14,20 @@ import torch
 
 from tightfit.checkpoint.long_step import Room
 from tightfit.measure.sizes import format_bytes
-from tightfit.pressure.probes import RSSProbe, cgroup_memory_limit
+from tightfit.pressure.probes import CudaProbe, RSSProbe, cgroup_memory_limit
 from tightfit.tiers.regions import meminfo
 
 
 def machine_room(dev: torch.device) -> Room:
     """Bytes a step could add on ``dev`` now (see the module docstring)."""
     if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        allocated = torch.cuda.memory_allocated(dev)
-        room = free + torch.cuda.memory_reserved(dev) - allocated
-        limit = "the CUDA device's free memory"
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if callable(fraction) and int(fraction(dev) * total) - allocated < room:
-            room = int(fraction(dev) * total) - allocated
-            limit = f"this process's CUDA memory fraction ({fraction(dev):g} of the device)"
-        return Room(max(0, int(room)), limit)
+        # the pressure probe's reading: the per-process fraction, and no credit for the holes
+        # of split cached segments (a large request cannot use them)
+        probe = CudaProbe(dev)
+        cap, total = probe.capacity_bytes(), int(torch.cuda.mem_get_info(probe.device)[1])
+        limit = ("the CUDA device's free memory" if cap >= total else
+                 f"this process's CUDA memory fraction ({cap / total:.2g} of the device)")
+        return Room(max(0, cap - probe.used_bytes()), limit)
     available = mem_available()
     rooms = [Room(max(0, available), "the RAM available (MemAvailable)")]
     cap = cgroup_memory_limit()

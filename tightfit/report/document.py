@@ -274,11 +274,6 @@ def paging_parts(p: dict[str, Any]) -> list[str]:
     ]
 
 
-def paging_text(p: dict[str, Any]) -> str:
-    """What the pager did, in one line."""
-    return "; ".join(paging_parts(p))
-
-
 def _num(n: int | float) -> str:
     return f"{n / MiB:.2f}"
 

@@ -15,6 +15,8 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 
+from tightfit.train.data.sources import quiet_datasets
+
 # FutureWarnings libraries raise at each other, not at the user's code (message regexes).
 LIBRARY_DEPRECATIONS = (
     r"`is_gradient_checkpointing` is deprecated",  # transformers 5, on peft's merge/load
@@ -27,20 +29,16 @@ def library_bars(progress: bool) -> Iterator[None]:
     if progress:
         yield
         return
-    import datasets
     from transformers.utils import logging as hf_logging
 
     hf_was_on = hf_logging.is_progress_bar_enabled()
-    ds_was_on = not datasets.are_progress_bars_disabled()
     hf_logging.disable_progress_bar()
-    datasets.disable_progress_bars()
     try:
-        yield
+        with quiet_datasets(False):  # datasets' half, as the data pipeline does it
+            yield
     finally:
         if hf_was_on:
             hf_logging.enable_progress_bar()
-        if ds_was_on:
-            datasets.enable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -38,6 +38,19 @@ CONFIGS: dict[str, tuple[type, dict[str, Any], int]] = {
 }
 
 
+def _step_reads(monkeypatch, opt, params: list[nn.Parameter], gen: torch.Generator,
+                steps: int = 3) -> list[int]:
+    """The host reads of each of ``steps`` steps, fresh random grads before each."""
+    reads = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.numel(), generator=gen)
+        with count_host_reads(monkeypatch) as count:
+            opt.step()
+        reads.append(count[0])
+    return reads
+
+
 def _reads(monkeypatch, name: str, n: int, numel: int, budget: int | None) -> list[int]:
     cls, kw, _ = CONFIGS[name]
     kw = dict(kw)
@@ -46,14 +59,8 @@ def _reads(monkeypatch, name: str, n: int, numel: int, budget: int | None) -> li
     gen = torch.Generator().manual_seed(n)
     params = [nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(n)]
     opt = cls(params, page_bytes=PAGE, device_budget=budget, **kw)
-    reads = []
     try:
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(numel, generator=gen)
-            with count_host_reads(monkeypatch) as count:
-                opt.step()
-            reads.append(count[0])
+        reads = _step_reads(monkeypatch, opt, params, gen)
         assert opt.memory_stats()["resident_bytes"] < opt.memory_stats()["state_bytes"] or not budget
     finally:
         opt.close()
@@ -80,13 +87,7 @@ def test_more_than_64_buckets_read_the_step_counts_once(monkeypatch) -> None:
     params = [nn.Parameter(torch.randn(numel, generator=gen)) for _ in range(300)]
     opt = PagedAdamW8bit(params, page_bytes=page, device_budget=150 * page)
     try:
-        reads = []
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(numel, generator=gen)
-            with count_host_reads(monkeypatch) as count:
-                opt.step()
-            reads.append(count[0])
+        reads = _step_reads(monkeypatch, opt, params, gen)
         stats = opt.memory_stats()
         resident = stats["resident_bytes"] // page
         assert resident > 64 and stats["state_bytes"] // page - resident > 64

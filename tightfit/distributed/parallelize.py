@@ -13,9 +13,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from tightfit.distributed.sharded_base import make_shardable
 from tightfit.model.blocks import find_blocks
 
-__all__ = ["Strategy", "find_blocks", "shard_model"]
+__all__ = ["Strategy", "find_blocks", "shard_model", "unshardable"]
 
 Strategy = Literal["fsdp", "ddp"]
 
@@ -26,28 +27,32 @@ def shard_model(
     *,
     blocks: list[nn.Module] | None = None,
     reshard_after_forward: bool = True,
-    shard_frozen: bool = False,
+    shard_frozen: bool = True,
 ) -> nn.Module:
     """Make ``model`` data-parallel over the default process group.
 
     Args:
-        model: the model, already on this rank's device, identical on every rank.
+        model: the model, already on this rank's device, identical on every rank (or each
+            rank's shards already in place: :mod:`tightfit.distributed.sharded_load`).
         strategy: ``"fsdp"``: FSDP2, parameters become DTensors sharded on dim 0 (in place;
             the same module is returned). ``"ddp"``: ``DistributedDataParallel`` replicas
             (a wrapper is returned; its ``.module`` is ``model``).
         blocks: modules to shard one by one under FSDP2; found by :func:`find_blocks` if None.
-        reshard_after_forward: FSDP2: free gathered block params after forward (ZeRO-3) or
-            keep them to backward (ZeRO-2, more memory, less communication).
-        shard_frozen: FSDP2: also shard parameters that do not require grad. Off by default:
-            QLoRA's frozen base is 4-bit (bitsandbytes ``Params4bit``, which FSDP2 cannot
-            shard) and small; it stays replicated while the trainable LoRA params, their grads
-            and their optimizer state are sharded.
+        reshard_after_forward: FSDP2: free each block's gathered params after its forward
+            (ZeRO-3) or keep them to backward (ZeRO-2: every block's gathered at once by the
+            end of forward). Forced on for blocks with frozen params when ``shard_frozen``:
+            ZeRO-2 would gather the whole frozen base on every rank.
+        shard_frozen: FSDP2: shard the params that do not require grad too: the frozen base,
+            4-bit layers included (their codes, absmax and nested absmax become parameters,
+            :func:`tightfit.distributed.sharded_base.make_shardable`). ``False`` leaves them
+            replicated on every rank (``fully_shard(ignored_params=...)``).
 
     Returns:
         The module to train and to hand to DCP's state-dict helpers.
 
     Raises:
-        ValueError: on an unknown strategy or without an initialized process group.
+        ValueError: on an unknown strategy, without an initialized process group, or with
+            parameters FSDP2 cannot shard (:func:`unshardable`).
     """
     if strategy not in ("fsdp", "ddp"):
         raise ValueError(f"strategy={strategy!r} is not one of 'fsdp', 'ddp'")
@@ -64,17 +69,61 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if shard_frozen:
+        for _, layer in list(_linear4bit(model)):
+            make_shardable(layer)
+        problem = unshardable(model)
+        if problem is not None:
+            raise ValueError(problem)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
 
     def frozen(module: nn.Module) -> set[nn.Parameter] | None:
         return None if shard_frozen else {p for p in module.parameters() if not p.requires_grad}
 
-    for block in blocks if blocks is not None else find_blocks(model):
+    blocks = blocks if blocks is not None else find_blocks(model)
+    for block in blocks:
+        has_frozen = any(not p.requires_grad for p in block.parameters())
         fully_shard(
-            block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-            ignored_params=frozen(block),
+            block, mesh=mesh, ignored_params=frozen(block),
+            reshard_after_forward=reshard_after_forward or (shard_frozen and has_frozen),
         )  # fmt: skip
-    fully_shard(
-        model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=frozen(model)
-    )
+    # the root (embeddings, norm, head) stays gathered from forward to backward, which needs
+    # it at once; torchtitan does the same
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model))
+    _prefetch_one_ahead(blocks)
     return model
+
+
+def _linear4bit(model: nn.Module):  # noqa: ANN202
+    import bitsandbytes as bnb
+
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+def _prefetch_one_ahead(blocks: list[nn.Module]) -> None:
+    """Gather block i+1 while block i computes (forward), block i-1 in backward."""
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])  # type: ignore[operator]
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])  # type: ignore[operator]
+
+
+def unshardable(model: nn.Module) -> str | None:
+    """Why FSDP2 cannot shard ``model``'s parameters, naming the first that it cannot
+    (``None``: every one can), with the fix.
+
+    FSDP2 shards plain tensors on dim 0. A bitsandbytes ``Params4bit`` left unconverted, an
+    8-bit ``Int8Params`` or a 3-D packed MoE expert stack hold their constants outside the
+    tensor, so a shard would lose them.
+    """
+    for name, p in model.named_parameters():
+        kind = type(p).__name__
+        if kind in ("Params4bit", "Int8Params"):
+            return (f"--fsdp cannot shard {name}: a bitsandbytes {kind} keeps its quantization "
+                    "constants outside the tensor, where FSDP2 does not see them; quantize "
+                    "linear layers with tightfit (NF4/FP4 Linear4bit), or drop --fsdp")
+        if p.dim() == 0:
+            return (f"--fsdp cannot shard {name}: a 0-dim parameter has no dim 0 to cut; "
+                    "make it 1-dim, or drop --fsdp")
+    return None

@@ -5,8 +5,8 @@ and many; in a single process (no torchrun) every method is the identity or the 
 single-process behaviour, so the loop has one code path.
 
 Under torchrun each rank trains on its rows of every global batch (``--batch-size`` is the
-global batch), the model is DDP-wrapped or, with ``--fsdp``, FSDP2-sharded (trainable LoRA
-params, grads and paged optimizer state sharded; the frozen 4-bit base replicated), and a
+global batch), the model is DDP-wrapped or, with ``--fsdp``, FSDP2-sharded (the frozen 4-bit
+base's codes and constants, the LoRA params, their grads and the paged optimizer state), and a
 saved state's folder holds the trainable params + optimizer as DCP wrote them (``dcp/``, any
 rank count can resume it), the adapter in peft format (gathered, written by rank 0), the
 trainer state (rank 0) and each rank's RNG state.
@@ -38,10 +38,9 @@ class TrainJob:
     info: launch.DistInfo
     strategy: Literal["single", "ddp", "fsdp"]
     # FSDP2: free each block's gathered params after its forward (ZeRO-3) or keep them to
-    # backward (ZeRO-2, the default). Both work with checkpoint plans (the recompute runs
-    # FSDP2's hooks). With QLoRA only the small LoRA params are sharded, so ZeRO-3 saves a few
-    # MiB and costs a second all-gather per block in backward: measured ~1.3x the step time
-    # of ZeRO-2 on 2 gloo ranks (8-layer LoRA Llama, `every` plan; docs/distributed.md).
+    # backward (ZeRO-2). Both work with checkpoint plans (the recompute runs FSDP2's hooks).
+    # A block with a frozen base (QLoRA) is always ZeRO-3: its base is sharded, and ZeRO-2
+    # would hold every block's gathered base at the end of forward (shard_model forces it).
     reshard_after_forward: bool = False
 
     @property
@@ -94,7 +93,7 @@ class TrainJob:
             return model
         if self.strategy == "ddp":
             return shard_model(model, "ddp")
-        # Grads and the paged optimizer state, the large part, are sharded either way.
+        # The frozen base, grads and the paged optimizer state are sharded either way.
         return shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward)
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,12 @@ One training step is run twice without any checkpointing:
   block (or the prefix, or the tail after the chain) that first saved it — the exact bytes
   checkpointing a block would drop;
 * timing passes with forward timers on the blocks (hooks only, no tracking overhead; process
-  CPU time on the CPU, synchronized wall time on CUDA).
+  CPU time on the CPU; on CUDA events recorded on the compute stream around each block and read
+  after the step with one synchronize, so a block's time is the GPU's work, not its launches).
+
+The memory pass also times each aten op a selective checkpoint keeps against all the block's
+ops (wall time on the CPU, CUDA events on CUDA: a matmul launches in microseconds and runs for
+milliseconds, so launch times would make selective recompute look several times dearer).
 
 The tail — final norm, LM head, loss, as the model really runs them (chunked or not) — is
 profiled as the chain's last, stored segment: its bytes are often most of the peak.
@@ -34,30 +39,65 @@ from tightfit.measure.tracker import MemoryTracker
 from tightfit.model.blocks import resolve_blocks
 
 
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class _Clock:
+    """Timestamps on one device's clock, read after the pass.
+
+    On the CPU a host clock (``host``); on CUDA events recorded on the current (compute) stream:
+    a host clock there times kernel launches, not the GPU's work. :meth:`settle` waits for the
+    recorded work once, before :meth:`seconds` reads any pair (an event pair is readable only
+    once the GPU has passed both).
+    """
+
+    def __init__(self, device: torch.device, host: Any = time.process_time) -> None:
+        self.device = device
+        self.cuda = _on_cuda(device)
+        self._host = host
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return self._host()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+
 class _OpRecorder(TorchDispatchMode):
     """Per block: outputs of the ops selective checkpointing keeps, and their share of time.
 
     Outputs are recorded as ``[block, nbytes, alive]`` with a finalizer that clears ``alive``
     when the storage is freed: an output dead by the end of the forward is one autograd did
     not save (and selective checkpointing keeps anyway). Pointers alone would not do: the
-    allocator reuses a freed output's address for a later one.
+    allocator reuses a freed output's address for a later one. Op times are marks on ``clock``
+    (CUDA events on CUDA), summed by :meth:`finish` after one settle.
     """
 
-    def __init__(self, block_of: list[int]) -> None:
+    def __init__(self, block_of: list[int], clock: _Clock) -> None:
         super().__init__()
         self.kept: list[list[Any]] = []
         self.op_s: dict[int, float] = {}  # block -> time of all ops
         self.kept_s: dict[int, float] = {}  # block -> time of the kept ops
         self._block_of = block_of
+        self._clock = clock
+        self._marks: list[tuple[int, bool, Any, Any]] = []  # (block, kept, start, end)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        t0 = time.perf_counter()
+        t0 = self._clock.mark()
         out = func(*args, **(kwargs or {}))
-        dt = time.perf_counter() - t0
+        t1 = self._clock.mark()
         b = self._block_of[0]
-        self.op_s[b] = self.op_s.get(b, 0.0) + dt
+        self._marks.append((b, func in SAVED_OPS, t0, t1))
         if func in SAVED_OPS:
-            self.kept_s[b] = self.kept_s.get(b, 0.0) + dt
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.numel():
                     st = t.untyped_storage()
@@ -65,6 +105,16 @@ class _OpRecorder(TorchDispatchMode):
                     self.kept.append(entry)
                     weakref.finalize(st, entry.__setitem__, 2, False)
         return out
+
+    def finish(self) -> None:
+        """Sum the recorded op times per block (one settle of the clock for the whole pass)."""
+        self._clock.settle()
+        for b, kept, t0, t1 in self._marks:
+            dt = self._clock.seconds(t0, t1)
+            self.op_s[b] = self.op_s.get(b, 0.0) + dt
+            if kept:
+                self.kept_s[b] = self.kept_s.get(b, 0.0) + dt
+        self._marks.clear()
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
@@ -95,11 +145,6 @@ def step_loss(model: nn.Module, example: Mapping[str, Any] | torch.Tensor | Sequ
     if t is None:
         raise ValueError(f"the model returned no tensor for the example ({type(out).__name__}).")
     return t if t.dim() == 0 else t.float().sum()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile(model: nn.Module, example: Mapping[str, Any] | torch.Tensor,
@@ -228,10 +273,11 @@ def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
         for i, b in enumerate(chain):
             handles.append(b.register_forward_pre_hook(hooks.pre(i), with_kwargs=True))
             handles.append(b.register_forward_hook(hooks.post(i), with_kwargs=True))
-        recorder = _OpRecorder(hooks.block_of)
+        recorder = _OpRecorder(hooks.block_of, _Clock(device, time.perf_counter))
         try:
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t), recorder:
                 loss = step_loss(model, example)
+            recorder.finish()
             kept_at_fwd_end = [(b, nb, alive) for b, nb, alive in recorder.kept]
             mt.mark("bwd_tail")
             loss.backward()
@@ -292,43 +338,39 @@ def _timing_pass(model: nn.Module, example: Any, chain: list[nn.Module], device:
                  params: list[nn.Parameter]) -> tuple[list[float], float, float]:
     n = len(chain)
     # On the CPU, process CPU time: on a shared machine other jobs' load inflates wall time
-    # but not the work a block does. On CUDA, wall time after a synchronize.
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    # but not the work a block does. On CUDA, events on the compute stream, read after the
+    # step with one synchronize: a per-block synchronize would stall the launch queue and a
+    # host clock between launches measures the launches.
+    clock = _Clock(device)
     for p in params:
         p.grad = None
-    starts: dict[int, float] = {}
-    times = [0.0] * n
-    tail_start = [0.0]
+    spans: list[list[Any]] = [[] for _ in range(n)]  # per block: [start, end] per call
     handles = []
 
     def pre(i: int):
         def hook(*_: Any) -> None:
-            _sync(device)
-            starts[i] = clock()
+            spans[i].append([clock.mark(), None])
         return hook
 
     def post(i: int):
         def hook(*_: Any) -> None:
-            _sync(device)
-            times[i] += clock() - starts[i]
-            if i == n - 1:
-                tail_start[0] = clock()
+            spans[i][-1][1] = clock.mark()
         return hook
 
     for i, b in enumerate(chain):
         handles += [b.register_forward_pre_hook(pre(i)), b.register_forward_hook(post(i))]
     try:
-        _sync(device)
-        t0 = clock()
+        t0 = clock.mark()  # an event's time is when the GPU reaches it: queued work is before
         loss = step_loss(model, example)
-        _sync(device)
-        tail_s = clock() - tail_start[0]
+        forward_end = clock.mark()
         loss.backward()
-        _sync(device)
-        step_s = clock() - t0
+        end = clock.mark()
+        clock.settle()
     finally:
         for h in handles:
             h.remove()
         for p in params:
             p.grad = None
-    return times, tail_s, step_s
+    times = [sum(clock.seconds(a, b) for a, b in s if b is not None) for s in spans]
+    tail_start = spans[n - 1][-1][1] if n and spans[n - 1] else t0
+    return times, clock.seconds(tail_start, forward_end), clock.seconds(t0, end)

@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tightfit.measure.cgroup import (
+    MemoryCgroup,
+    cgroup_room,
+    limiting_cgroup,
+    memory_cgroups,
+    stat_value,
+)
 from tightfit.pressure import occupancy, probes
-from tightfit.pressure.cgroup import MemoryCgroup, limiting_cgroup, memory_cgroups, stat_value
 from tightfit.pressure.probes import CgroupProbe, RSSProbe
 
 MiB = 2**20
@@ -111,7 +117,7 @@ def test_cgroup_probe_sees_a_touched_allocation_come_and_go() -> None:
 
 _TRANSIENT = """
 import torch
-from tightfit.pressure.cgroup import memory_cgroups
+from tightfit.measure.cgroup import memory_cgroups
 from tightfit.pressure.probes import CgroupProbe
 MiB = 2**20
 cg = next(c for c in memory_cgroups() if c.charge_file.exists() and c.stat_file.exists())
@@ -160,3 +166,17 @@ def test_stat_value_finds_first_middle_and_missing_keys() -> None:
     stat = b"anon 5\nfile 7\ninactive_file 3"
     assert [stat_value(stat, k) for k in (b"anon", b"file", b"inactive_file", b"active_file")] \
         == [5, 7, 3, 0]
+
+
+def test_cgroup_room_is_the_limit_less_what_the_kernel_cannot_reclaim(tmp_path) -> None:
+    proc, root = _tree(tmp_path, "4:memory:/job\n", {
+        "memory/job/memory.limit_in_bytes": str(900 * MiB),
+        "memory/job/memory.usage_in_bytes": str(700 * MiB),
+        "memory/job/memory.stat": V1_STAT.format(cache=0, inactive=100 * MiB, active=50 * MiB),
+    })
+    cg = limiting_cgroup(proc, root)
+    assert cgroup_room(cg) == 900 * MiB - (700 * MiB - 150 * MiB)  # page cache is room
+    (root / "memory/job/memory.usage_in_bytes").write_text(str(1000 * MiB))
+    (root / "memory/job/memory.stat").write_text(V1_STAT.format(cache=0, inactive=0, active=0))
+    assert cgroup_room(cg) == 0  # over the limit: no room, never negative
+    assert cgroup_room(MemoryCgroup(root / "memory/none", 1, None)) is None

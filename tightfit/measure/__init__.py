@@ -5,6 +5,8 @@ Here:
         ``external_allocated``/``external_freed`` for bytes torch does not see.
     sizes: ``parse_bytes``/``format_bytes``, sizes as people write them ("24GiB", "512MiB").
     dtypes: the dtype names of the CLI, the planner and the Python API (``torch_dtype``).
+    cgroup: the memory cgroup that limits this process: its limit, charge and the room
+        left (v1 and v2); the pressure probes and the pinned host tier read it.
 
 Imports nothing of tightfit: every other folder may import it. Entry point:
 :class:`tightfit.MemoryTracker` (:class:`tightfit.measure.tracker.MemoryTracker`).

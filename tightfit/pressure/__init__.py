@@ -4,7 +4,6 @@ Here:
     probes: ``Probe`` and its kinds (CUDA, process RSS, memory cgroup).
     room: ``machine_room``, the bytes a step could still add and what bounds them (the
         ``Room`` long-step planning reads).
-    cgroup: the memory cgroup's limit and usage (v1 and v2).
     highwater: a probe's high-water mark between steps.
     target: ``default_target`` and the target's forms (fraction, bytes, "auto", None).
     occupancy: ``OccupancyControl``, which keeps the device under the target by evicting and

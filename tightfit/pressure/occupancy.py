@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tightfit.measure.cgroup import limiting_cgroup
 from tightfit.paging.store import PageStore
 from tightfit.pressure import probes
-from tightfit.pressure.cgroup import limiting_cgroup
 from tightfit.pressure.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
 from tightfit.pressure.target import resolve_target
 from tightfit.pressure.watch import PressureWatch

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tightfit.pressure.cgroup import MemoryCgroup, limiting_cgroup, stat_value
+from tightfit.measure.cgroup import MemoryCgroup, limiting_cgroup, stat_value
 from tightfit.pressure.highwater import rss_high_water
 
 __all__ = ["CgroupProbe", "CudaProbe", "Probe", "RSSProbe", "cgroup_memory_limit"]
@@ -252,7 +252,7 @@ def cgroup_memory_limit() -> int | None:
     """The memory limit of this process's cgroup in bytes, or ``None`` when it has none.
 
     The smallest limit along the process's cgroup path, v1 or v2
-    (:func:`~tightfit.pressure.cgroup.limiting_cgroup`).
+    (:func:`~tightfit.measure.cgroup.limiting_cgroup`).
     """
     cg = limiting_cgroup()
     return None if cg is None else cg.limit
@@ -277,7 +277,7 @@ class CgroupProbe(Probe):
 
     Args:
         cgroup: The cgroup to read; ``None`` finds the one with the smallest limit on this
-            process's path (:func:`~tightfit.pressure.cgroup.limiting_cgroup`).
+            process's path (:func:`~tightfit.measure.cgroup.limiting_cgroup`).
         capacity_bytes: Overrides the cgroup's limit as the capacity (needed for a cgroup
             without a limit).
 

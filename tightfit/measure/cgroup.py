@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MemoryCgroup", "limiting_cgroup", "memory_cgroups", "stat_value"]
+__all__ = ["MemoryCgroup", "cgroup_room", "limiting_cgroup", "memory_cgroups", "stat_value"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,26 @@ def stat_value(stat: bytes, key: bytes) -> int:
     start = at + len(key) + 2
     end = stat.find(b"\n", start)
     return int(stat[start:] if end < 0 else stat[start:end])
+
+
+def cgroup_room(cgroup: MemoryCgroup | None = None) -> int | None:
+    """Bytes the limiting memory cgroup still lets its processes take, or ``None`` without one.
+
+    ``limit - (charge - page cache on the LRU lists)``: the page cache is left out of the
+    use, as :class:`~tightfit.pressure.probes.CgroupProbe` does, because the kernel reclaims it
+    before it kills at the limit. Pinned (page-locked) memory is anonymous memory the kernel can
+    neither reclaim nor swap, so this is the most a process may still pin.
+
+    Args:
+        cgroup: The cgroup to read; ``None`` finds :func:`limiting_cgroup`.
+    """
+    cgroup = cgroup if cgroup is not None else limiting_cgroup()
+    if cgroup is None or cgroup.limit is None:
+        return None
+    try:
+        charge = int(cgroup.charge_file.read_text())
+        stat = cgroup.stat_file.read_bytes()
+    except (OSError, ValueError):
+        return None
+    cache = sum(stat_value(stat, k) for k in cgroup.file_keys)
+    return max(0, cgroup.limit - (charge - cache))

@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tightfit.distributed.sharded_base import make_shardable
 from tightfit.model.blocks import find_blocks
+from tightfit.qlora.shardable import make_shardable
 
 __all__ = ["Strategy", "find_blocks", "shard_model", "unshardable"]
 
@@ -44,7 +44,7 @@ def shard_model(
             ZeRO-2 would gather the whole frozen base on every rank.
         shard_frozen: FSDP2: shard the params that do not require grad too: the frozen base,
             4-bit layers included (their codes, absmax and nested absmax become parameters,
-            :func:`tightfit.distributed.sharded_base.make_shardable`). ``False`` leaves them
+            :func:`tightfit.qlora.shardable.make_shardable`). ``False`` leaves them
             replicated on every rank (``fully_shard(ignored_params=...)``).
 
     Returns:

@@ -12,10 +12,12 @@ from collections.abc import Iterator
 
 import bitsandbytes as bnb
 import torch
+from bitsandbytes.functional import QuantState
 from torch import nn
 
 from tightfit.qlora.experts import quantize_experts
 from tightfit.qlora.saved_quant_state import take_saved_quant_state
+from tightfit.qlora.shardable import ShardableLinear4bit
 
 
 def output_head_names(model: nn.Module) -> set[str]:
@@ -103,10 +105,23 @@ def quantize_linears(
 
 
 def linear4bit_layers(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit]]:
-    """Yield ``(name, layer)`` for every bitsandbytes 4-bit linear layer in ``model``."""
+    """Yield ``(name, layer)`` for every bitsandbytes 4-bit linear layer in ``model``
+    (FSDP2-shardable ones, :class:`~tightfit.qlora.shardable.ShardableLinear4bit`, too)."""
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             yield name, module
+
+
+def layer_quant_state(layer: bnb.nn.Linear4bit) -> tuple[torch.Tensor, QuantState]:
+    """``(packed codes, quant state)`` of a whole 4-bit layer.
+
+    A ``Linear4bit``'s own; a :class:`~tightfit.qlora.shardable.ShardableLinear4bit`
+    sharded by FSDP2 gathers its codes and constants (a collective: every rank calls it for
+    the same layers in the same order), one layer at a time.
+    """
+    if isinstance(layer, ShardableLinear4bit):
+        return layer.full_quant_state()
+    return layer.weight.data, layer.weight.quant_state
 
 
 def quantize_base(

@@ -90,9 +90,28 @@ class ShardableLinear4bit(bnb.nn.Linear4bit):
         out = bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state_now())
         return out.to(inp_dtype)
 
+    def full_quant_state(self) -> tuple[torch.Tensor, QuantState]:
+        """``(codes, quant state)`` of the whole layer, wherever it is: a sharded layer's
+        tensors are gathered here (``DTensor.full_tensor``, a collective every rank must
+        call in the same order), a gathered or unsharded layer's are its own."""
+        if not _is_dtensor(self.weight):
+            return self.weight.data, self.quant_state_now()
+        full = {n: _full(getattr(self, n)) for n in BASE_PIECES if n in self._parameters}
+        state2 = None
+        if self.nested:
+            state2 = QuantState(absmax=full["nested_absmax"], code=self.nested_code,
+                                blocksize=self.nested_blocksize, dtype=torch.float32)  # fmt: skip
+        state = QuantState(
+            absmax=full["absmax"], shape=torch.Size(self.shape), code=self.quant_map,
+            blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.state_dtype,
+            offset=self.nested_offset if state2 is not None else None, state2=state2,
+        )  # fmt: skip
+        return full["weight"], state
+
     def dequantized(self) -> torch.Tensor:
-        """The layer's weight dequantized (call on gathered tensors, or in one process)."""
-        return bnb.functional.dequantize_4bit(self.weight.data, self.quant_state_now())
+        """The layer's weight dequantized (gathered first when sharded: a collective)."""
+        codes, state = self.full_quant_state()
+        return bnb.functional.dequantize_4bit(codes, state)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -136,6 +155,16 @@ def make_shardable(layer: bnb.nn.Linear4bit) -> ShardableLinear4bit:
         layer.nested_blocksize = None
     layer.quant_state = None  # bitsandbytes' module-level copy: the parameters are the truth
     return layer
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if _is_dtensor(t) else t.data
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

@@ -23,7 +23,8 @@ from tightfit.checkpoint import apply as ckpt_apply
 from tightfit.loss import disable_chunked_loss, enable_chunked_loss, is_chunked_loss_enabled
 from tightfit.measure.tracker import MemoryTracker
 from tightfit.qlora.experts import expert_specs, is_4bit_experts, packed_experts
-from tightfit.qlora.quantize import linear4bit_layers
+from tightfit.qlora.quantize import layer_quant_state, linear4bit_layers
+from tightfit.qlora.shardable import base_parameters
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -73,8 +74,8 @@ def _four_bit(model: nn.Module) -> Iterator[tuple[int, bnbF.QuantState, bool]]:
     """``(packed bytes, quant state, is an expert)`` of every 4-bit weight: each
     ``Linear4bit`` layer, and each expert of each 4-bit experts module."""
     for _, layer in linear4bit_layers(model):
-        w = layer.weight
-        yield w.untyped_storage().nbytes(), w.quant_state, False
+        codes, qs = layer_quant_state(layer)  # an FSDP2-sharded layer's gathered, one by one
+        yield codes.untyped_storage().nbytes(), qs, False
     for _, packed, qs in packed_experts(model):
         yield packed.nbytes, qs, True
 
@@ -159,6 +160,7 @@ def frozen_other_bytes(model: nn.Module, *, plain_linears: bool = False) -> int:
         for m in model.modules() if is_4bit_experts(m)
         for name in expert_specs(m)
     }
+    packed |= {id(p) for p in base_parameters(model)}  # an FSDP2-shardable 4-bit base
     if plain_linears:
         head = getattr(model, "get_output_embeddings", lambda: None)()
         packed |= {id(m.weight) for m in model.modules()

@@ -1,14 +1,14 @@
 """Shared test configuration: CUDA-only tests skip themselves without a GPU; seeding; threads;
-CUDA's streams, events and pinned memory faked on the CPU."""
+the strict CUDA emulation (``tests/tiers/strict_cuda.py``) as a fixture."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+
+from .tiers.strict_cuda import StrictCuda, install, uninstall
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,57 +40,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-class _FakeEvent:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.recorded = False
-
-    def record(self, stream: object = None) -> None:
-        self.recorded = True
-
-    def synchronize(self) -> None:
-        assert self.recorded, "waited on an event that was never recorded"
-
-
-@dataclass
-class FakeCuda:
-    """What :func:`fake_cuda` saw: sizes of the "pinned" buffers made, stream waits on events."""
-
-    pinned_sizes: list[int] = field(default_factory=list)
-    waits: int = 0
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    """CUDA's streams, events and pinned host memory as the CPU can run them (the device
-    stays the CPU): code written for ``CudaCopyEngine`` runs its schedule here, and an event
-    waited on before it was recorded fails the test."""
-    seen = FakeCuda()
-    ptrs: set[int] = set()
-    empty = torch.empty
-
-    class _FakeStream:
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            pass
-
-        def wait_event(self, event: _FakeEvent) -> None:
-            assert event.recorded, "a stream waited on an event that was never recorded"
-            seen.waits += 1
-
-        def synchronize(self) -> None:
-            pass
-
-    def fake_empty(*args, pin_memory: bool = False, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t = empty(*args, **kwargs)
-        if pin_memory:
-            ptrs.add(t.untyped_storage().data_ptr())
-            seen.pinned_sizes.append(t.nbytes)
-        return t
-
-    monkeypatch.setattr(torch, "empty", fake_empty)
-    monkeypatch.setattr(torch.Tensor, "is_pinned",
-                        lambda self, *a: self.untyped_storage().data_ptr() in ptrs)  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
-    return seen
+def strict_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[StrictCuda]:
+    """CUDA as the CPU can run it strictly (``tests/tiers/strict_cuda.py``: asynchronous side
+    streams, stream order, a caching allocator that reuses memory at once, backward on its
+    own thread, host syncs counted). The test fails if it leaves a stream-order or allocator
+    violation in ``violations`` (a test that expects some asserts and clears them)."""
+    emu = install(monkeypatch)
+    try:
+        yield emu
+        emu.synchronize()  # every queued copy ran (and none failed)
+    finally:
+        uninstall(emu)
+    assert emu.violations == [], "\n".join(emu.violations)

@@ -1,52 +1,134 @@
-"""A stricter CPU emulation of CUDA streams: stream order and the caching allocator's rule.
+"""A strict CPU emulation of CUDA: asynchronous streams, stream order, a caching allocator that
+reuses memory at once, backward on another thread, and a count of host syncs.
 
-``tests/conftest.py::fake_cuda`` only checks that an event is recorded before it is waited
-on. Here every stream has a vector clock, and every aten op run on the test's thread is an
-operation of the current stream (``torch.cuda.stream(s)`` switches it) on the storages it
-reads and writes (its schema says which). Two rules are checked, as CUDA and torch's caching
-allocator impose them:
+The CUDA-path tests run under it (the ``strict_cuda`` fixture, ``tests/conftest.py``); the
+device stays the CPU. What it does, as CUDA and torch do it:
 
-* **stream order**: an op that reads a storage last written on another stream, or writes one
-  another stream read or wrote, must be ordered after that access (an event waited on,
-  ``wait_stream``, or a host sync in between) — else the two may overlap on a GPU;
-* **allocator**: memory is handed out again, in the order of the stream that allocated it, as
-  soon as it is freed. A storage used on another stream must, when it is freed, have that use
-  ordered before the allocating stream's position, or ``record_stream(that stream)`` called
-  on it (torch's two ways: "a sync from that stream back to the creation stream, or
-  record_stream").
+* **streams**: the compute stream is the test's thread (its ops run at once, as a host that
+  never waits would see them). A side stream (``torch.cuda.Stream()``) has a worker thread:
+  its copies (``copy_``) are queued and run later, in stream order, after a random delay of
+  up to ``jitter`` seconds; its other ops wait for the queue and run at once. An event
+  recorded on a side stream is a place in its queue: ``Event.synchronize``/``query``, a
+  stream's ``synchronize`` and ``torch.cuda.synchronize`` wait for (or ask about) it, and the
+  compute stream's ``wait_event`` holds the test's thread until the copies before it are done
+  (what the GPU would do to the kernels queued after it). A missing wait shows as wrong data.
+* **stream order**: every stream has a vector clock, and every aten op of the test's threads
+  is an operation of the current stream on the storages its schema says it reads and writes.
+  An op that reads a storage last written on another stream, or writes one another stream
+  used, must be ordered after that use (an event waited on, ``wait_stream``, a host sync);
+* **allocator**: ``torch.empty`` on the device comes from :mod:`strict_alloc` (freed blocks
+  poisoned and handed to the next request of the stream at once). A storage used on another
+  stream must, when it is freed, have that use ordered before the allocating stream's
+  position, or ``record_stream(that stream)`` called on it (torch's two ways);
+* **backward** (``torch.autograd.backward``, hence ``Tensor.backward``) runs on a thread of
+  its own, with the caller's dispatch modes, as CUDA's autograd device thread does;
+* **host syncs** (:attr:`StrictCuda.syncs`, by kind): ``.item()`` and the implicit
+  conversions, ``.tolist()``, data-dependent shapes (``nonzero``, ``equal``...),
+  ``torch.cuda.synchronize``, a stream's or an event's ``synchronize``, and blocking copies
+  (``.cpu()``/``.numpy()`` of a device tensor, a ``copy_`` between pinned host memory and the
+  device without ``non_blocking``). Only the test's threads count (a copy worker that waits
+  for an event blocks no compute); every tensor made under the emulation is a device tensor
+  (step counts included), the "pinned" ones excepted.
 
-Violations are collected in :attr:`StrictCuda.violations` (a test asserts it empty). Copies
-still run at once (on the CPU); the device is the CPU; "pinned" buffers are CPU tensors
-remembered as pinned and not tracked (the host allocator orders them by events itself).
-Storages made before the emulation starts, or off the test's thread (the copy worker), are
-not tracked.
+Violations are collected in :attr:`StrictCuda.violations` (the fixture fails a test that
+leaves any). "Pinned" buffers are CPU tensors remembered as pinned and not tracked (the host
+allocator orders them by events itself); storages made before the emulation starts are not
+tracked. The kernels' own launch behaviour (bitsandbytes' default-stream launches, launch-
+time-only profiling) and real concurrency with the compute cannot be emulated here.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import random
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_leaves
 
+from .strict_alloc import CachingAllocator
+
 Clock = dict[int, int]  # stream id -> ops of that stream ordered before
+aten = torch.ops.aten
+_SYNCING_OPS = {aten._local_scalar_dense.default: "item", aten.equal.default: "equal",
+                aten.is_nonzero.default: "item", aten.nonzero.default: "nonzero",
+                aten.masked_select.default: "nonzero"}  # fmt: skip
+_METADATA = {aten.set_.source_Storage_storage_offset, aten.set_.source_Storage,
+             aten.set_.source_Tensor, aten.set_.default, aten.resize_.default}  # fmt: skip
+
+
+class _Worker:
+    """A side stream's device: runs its queued work in order, each after a random delay."""
+
+    def __init__(self, name: str, jitter: float, rng: random.Random) -> None:
+        self._cond = threading.Condition()
+        self._tasks: collections.deque = collections.deque()
+        self.queued = self.finished = 0
+        self.errors: list[BaseException] = []
+        self._jitter, self._rng, self._closed = jitter, rng, False
+        self._thread = threading.Thread(target=self._run, name=f"strict-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any) -> int:
+        with self._cond:
+            self._tasks.append(fn)
+            self.queued += 1
+            self._cond.notify_all()
+            return self.queued
+
+    def done(self, ticket: int) -> bool:
+        return self.finished >= ticket
+
+    def wait_for(self, ticket: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.finished >= ticket)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._tasks or self._closed)
+                if not self._tasks:
+                    return
+                fn = self._tasks[0]
+            time.sleep(self._rng.uniform(0, self._jitter))
+            try:
+                fn()
+            except BaseException as exc:  # reported by the emulation at the next sync
+                self.errors.append(exc)
+            with self._cond:
+                self._tasks.popleft()
+                self.finished += 1
+                self._cond.notify_all()
 
 
 class Stream:
-    """A fake CUDA stream with a vector clock."""
+    """A fake CUDA stream with a vector clock (and, off the compute stream, a worker)."""
 
     _ids = 0
 
-    def __init__(self, emu: StrictCuda, name: str) -> None:
+    def __init__(self, emu: StrictCuda, name: str, worker: bool = True) -> None:
         Stream._ids += 1
         self.id, self.name, self.emu = Stream._ids, name, emu
         self.clock: Clock = {self.id: 0}
+        self.worker = _Worker(name, emu.jitter, emu.rng) if worker else None
         emu.streams.append(self)
 
     def __repr__(self) -> str:
@@ -57,6 +139,12 @@ class Stream:
         self.clock[self.id] += 1
         return self.clock[self.id]
 
+    def ticket(self) -> int:
+        return self.worker.queued if self.worker else 0
+
+    def done(self, ticket: int) -> bool:
+        return self.worker is None or self.worker.done(ticket)
+
     def ordered_after(self, stream: Stream, op: int) -> bool:
         _merge(self.clock, self.emu.host)
         return stream is self or self.clock.get(stream.id, 0) >= op
@@ -64,11 +152,21 @@ class Stream:
     def wait_event(self, event: Event) -> None:
         assert event.snap is not None, "a stream waited on an event that was never recorded"
         self.emu.calls.append(("wait_event", self.name, event.stream.name))
+        self._wait(event.stream, event.ticket)
         _merge(self.clock, event.snap)
 
     def wait_stream(self, stream: Stream) -> None:
         self.emu.calls.append(("wait_stream", self.name, stream.name))
+        self._wait(stream, stream.ticket())
         _merge(self.clock, stream.clock)
+
+    def _wait(self, other: Stream, ticket: int) -> None:
+        if other.worker is None or other is self:
+            return  # the compute's work is done when it is queued
+        if self.worker is None:  # the compute's later kernels run after it: hold them
+            other.worker.wait_for(ticket)
+        else:
+            self.worker.submit(lambda: other.worker.wait_for(ticket))
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -76,31 +174,38 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
+        self.emu.count_sync("stream.synchronize")
+        if self.worker is not None:
+            self.worker.wait_for(self.worker.queued)
         _merge(self.emu.host, self.clock)
 
     def query(self) -> bool:
-        return True
+        return self.done(self.ticket())
 
 
 class Event:
-    """A fake CUDA event: the recording stream's clock when it was recorded."""
+    """A fake CUDA event: the recording stream's clock and queue place when recorded."""
 
     emu: StrictCuda
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.snap: Clock | None = None
         self.stream: Stream | None = None
+        self.ticket = 0
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or self.emu.current()
-        self.stream, self.snap = stream, dict(stream.clock)
+        self.stream, self.snap, self.ticket = stream, dict(stream.clock), stream.ticket()
 
     def synchronize(self) -> None:
         assert self.snap is not None, "waited on an event that was never recorded"
+        self.emu.count_sync("event.synchronize")
+        if self.stream.worker is not None:
+            self.stream.worker.wait_for(self.ticket)
         _merge(self.emu.host, self.snap)
 
     def query(self) -> bool:
-        return True
+        return self.snap is None or self.stream.done(self.ticket)
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream or self.emu.current()).wait_event(self)
@@ -122,25 +227,23 @@ class _Storage:
     recorded: set[int] = field(default_factory=set)  # record_stream(stream) ids
 
 
-_METADATA = {torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Storage,
-             torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.default,
-             torch.ops.aten.resize_.default}
-
-
 class StrictCuda(TorchDispatchMode):
     """The emulation's state; active (as a dispatch mode) while the fixture is."""
 
-    def __init__(self) -> None:
+    def __init__(self, jitter: float = 2e-4, seed: int = 0) -> None:
         super().__init__()
+        self.jitter, self.rng = jitter, random.Random(seed)
         self.streams: list[Stream] = []
         self.host: Clock = {}
         self.violations: list[str] = []
         self.calls: list[tuple[str, ...]] = []  # ("wait_event"/"wait_stream", who, on whom)
+        self.syncs: collections.Counter[str] = collections.Counter()
         self.pinned: set[int] = set()
-        self.compute = Stream(self, "compute")
+        self.allocator = CachingAllocator()
+        self.compute = Stream(self, "compute", worker=False)
         self._local = threading.local()
         self._live: dict[int, _Storage] = {}
-        self._thread = threading.get_ident()
+        self._threads = {threading.get_ident()}  # the test's thread and its backward threads
 
     # -- streams -----------------------------------------------------------------------
     def current(self) -> Stream:
@@ -156,8 +259,39 @@ class StrictCuda(TorchDispatchMode):
             self._local.stream = before
 
     def synchronize(self) -> None:
+        self.count_sync("synchronize")
         for s in self.streams:
+            if s.worker is not None:
+                s.worker.wait_for(s.worker.queued)
             _merge(self.host, s.clock)
+        self.raise_copy_errors()
+
+    def raise_copy_errors(self) -> None:
+        for s in self.streams:
+            if s.worker is not None and s.worker.errors:
+                raise s.worker.errors.pop(0)
+
+    def close(self) -> None:
+        """Let every queued copy run, stop the workers (the fixture's teardown)."""
+        for s in self.streams:
+            if s.worker is not None:
+                s.worker.close()
+
+    # -- host syncs --------------------------------------------------------------------
+    def count_sync(self, kind: str) -> None:
+        if threading.get_ident() in self._threads:
+            self.syncs[kind] += 1
+
+    def sync_count(self) -> int:
+        """Host syncs counted so far, all kinds."""
+        return sum(self.syncs.values())
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is on the emulated device: every CPU tensor but the pinned ones."""
+        try:
+            return t.untyped_storage().data_ptr() not in self.pinned
+        except (RuntimeError, NotImplementedError):  # no storage (sparse): not a plain read
+            return False
 
     # -- storages ----------------------------------------------------------------------
     def _info(self, t: torch.Tensor, new_ok: bool, stream: Stream, label: str) -> _Storage | None:
@@ -170,6 +304,13 @@ class StrictCuda(TorchDispatchMode):
             weakref.finalize(st, self._freed, id(st))
         return info
 
+    def new_empty(self, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``torch.empty`` on the device: a block of the current stream's pool."""
+        stream = self.current()
+        t = self.allocator.empty(size, dtype, stream)
+        self._info(t, True, stream, f"torch.empty{tuple(size)}")
+        return t
+
     def record_stream(self, t: torch.Tensor, stream: Stream) -> None:
         info = self._live.get(id(t.untyped_storage()))
         if info is not None:
@@ -179,22 +320,51 @@ class StrictCuda(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         info = self._live.pop(key)
         alloc = info.stream
+        waits = []
         for stream, op in info.others.values():
-            if stream is alloc or stream.id in info.recorded or alloc.ordered_after(stream, op):
+            if stream is alloc or alloc.ordered_after(stream, op):
+                continue
+            if stream.id in info.recorded:
+                waits.append((stream, stream.ticket()))
                 continue
             self.violations.append(
                 f"{info.label}: allocated on {alloc.name}, used on {stream.name} (op {op}), "
                 f"freed before {alloc.name} waited for that use and without "
                 f"record_stream({stream.name}): its memory may be reused while in use")
+        self.allocator.freed(key, waits)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if threading.get_ident() != self._thread:
-            return out
+        if threading.get_ident() not in self._threads:
+            return func(*args, **kwargs)
+        stream = self.current()
+        if func in _SYNCING_OPS and self.is_device(args[0]):
+            self.count_sync(_SYNCING_OPS[func])
+        deferred = func is aten.copy_.default and stream.worker is not None
+        if deferred and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False):
+            deferred = False  # a blocking copy: in order, the host waits for it
+        if not deferred and stream.worker is not None:
+            stream.worker.wait_for(stream.worker.queued)  # stream order
+        if func is aten.copy_.default and not kwargs.get("non_blocking",
+                                                          args[2] if len(args) > 2 else False):
+            self._count_blocking_copy(args[0], args[1])
+        if deferred:
+            dst, src = (self.allocator.view_of_block(t) for t in args[:2])
+            stream.worker.submit(lambda: dst.copy_(src))
+            out = args[0]
+        else:
+            out = func(*args, **kwargs)
         if func.is_view or func in _METADATA:  # no bytes read or written
             return out
-        stream = self.current()
+        self._track(func, args, kwargs, out, stream)
+        return out
+
+    def _count_blocking_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        pinned = [t.untyped_storage().data_ptr() in self.pinned for t in (dst, src)]
+        if pinned[0] != pinned[1]:
+            self.count_sync("blocking copy")
+
+    def _track(self, func: Any, args: tuple, kwargs: dict, out: Any, stream: Stream) -> None:
         op = stream.tick()
         writes: list[torch.Tensor] = []
         reads: list[torch.Tensor] = []
@@ -219,7 +389,6 @@ class StrictCuda(TorchDispatchMode):
                 if info is not None and info.write is None:
                     info.write = (stream, op)
                     info.others[stream.id] = (stream, op)
-        return out
 
     def _access(self, t: torch.Tensor, stream: Stream, op: int, write: bool, func: Any) -> None:
         info = self._info(t, False, stream, "")
@@ -240,21 +409,90 @@ class StrictCuda(TorchDispatchMode):
             info.reads[stream.id] = (stream, op)
         info.others[stream.id] = (stream, op)
 
+    # -- backward on its own thread ------------------------------------------------------
+    def backward_on_thread(self, backward: Any) -> Any:
+        """``torch.autograd.backward`` run on a new thread with the caller's dispatch modes
+        and grad mode, as CUDA's autograd device thread runs it; errors re-raised here."""
 
-def install(monkeypatch: pytest.MonkeyPatch) -> StrictCuda:
-    """Patch torch.cuda's streams, events, pinned memory and ``record_stream`` with the strict
-    emulation and start tracking; the caller exits it with :func:`uninstall` (the fixture)."""
-    emu = StrictCuda()
+        def run(*args: Any, **kwargs: Any) -> None:
+            modes, grad = _get_current_dispatch_mode_stack(), torch.is_grad_enabled()
+            box: list[BaseException] = []
+
+            def body() -> None:
+                self._threads.add(threading.get_ident())
+                for m in modes:
+                    _push_mode(m)
+                try:
+                    with torch.set_grad_enabled(grad):
+                        backward(*args, **kwargs)
+                except BaseException as exc:
+                    box.append(exc)
+                finally:
+                    for _ in modes:
+                        _pop_mode()
+                    self._threads.discard(threading.get_ident())
+
+            thread = threading.Thread(target=body, name="strict-backward")
+            thread.start()
+            thread.join()
+            if box:
+                raise box[0]
+
+        return run
+
+
+class _Cudart:
+    """``torch.cuda.cudart()``'s page-locking calls (``tightfit.tiers.pinned`` registers its
+    own mappings): registered memory is "pinned" to the emulation."""
+
+    class cudaError:  # noqa: N801 (cudart's name)
+        success = 0
+
+    def __init__(self, emu: StrictCuda) -> None:
+        self._emu = emu
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        self._emu.pinned.add(ptr)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self._emu.pinned.discard(ptr)
+        return 0
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
+        return f"error {err}"
+
+
+def install(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> StrictCuda:
+    """Patch torch.cuda's streams, events, synchronize, pinned memory, ``record_stream``,
+    ``torch.empty``, the host reads and ``torch.autograd.backward`` with the strict emulation
+    and start it; the caller ends it with :func:`uninstall` (the fixture)."""
+    emu = StrictCuda(**kwargs)
     Event.emu = emu
-    empty = torch.empty
+    empty, tolist, cpu, numpy = torch.empty, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy
 
-    def fake_empty(*args, pin_memory: bool = False, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t = empty(*args, **kwargs)
+    def fake_empty(*size, pin_memory: bool = False, **kw):  # noqa: ANN002, ANN003, ANN202
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+        plain = set(kw) <= {"dtype", "device"} and str(kw.get("device") or "cpu") == "cpu"
+        if (not pin_memory and plain and threading.get_ident() in emu._threads
+                and all(isinstance(n, int) for n in shape) and 0 not in shape and shape):
+            return emu.new_empty(shape, kw.get("dtype") or torch.get_default_dtype())
+        t = empty(*size, **kw)
         if pin_memory:
             emu.pinned.add(t.untyped_storage().data_ptr())
         return t
 
+    def read(method: Any, kind: str) -> Any:
+        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if emu.is_device(self):
+                emu.count_sync(kind)
+            return method(self, *a, **k)
+        return counted
+
     monkeypatch.setattr(torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.Tensor, "tolist", read(tolist, "tolist"))
+    monkeypatch.setattr(torch.Tensor, "cpu", read(cpu, "blocking copy"))
+    monkeypatch.setattr(torch.Tensor, "numpy", read(numpy, "blocking copy"))
     monkeypatch.setattr(torch.Tensor, "is_pinned",
                         lambda self, *a: self.untyped_storage().data_ptr() in emu.pinned)  # fmt: skip
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: emu.record_stream(self, s))
@@ -262,10 +500,14 @@ def install(monkeypatch: pytest.MonkeyPatch) -> StrictCuda:
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "stream", emu.use)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: emu.current())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: emu.compute)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: emu.synchronize())
+    monkeypatch.setattr(torch.autograd, "backward", emu.backward_on_thread(torch.autograd.backward))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(emu))
     emu.__enter__()
     return emu
 
 
 def uninstall(emu: StrictCuda) -> None:
     emu.__exit__(None, None, None)
+    emu.close()

@@ -24,7 +24,7 @@ SIZES = [1, 7, 4097, 100_003]
 
 
 @pytest.fixture
-def accelerator(monkeypatch, fake_cuda):  # noqa: ANN001 (fake_cuda: tests/conftest.py)
+def accelerator(monkeypatch, strict_cuda):  # noqa: ANN001 (strict_cuda: tests/conftest.py)
     """Returns make(cls, params, **kwargs): a paged optimizer whose store behaves as on CUDA
     (its engine, ``opt.pager.engine``, counts the bytes it copies)."""
     count_copies(monkeypatch, CountingCudaEngine, emulate_accelerator=True)

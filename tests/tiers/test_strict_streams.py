@@ -7,6 +7,7 @@ and 5).
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -17,16 +18,13 @@ from tightfit.optim.adamw import PagedAdamW
 from tightfit.tiers.copy import CudaCopyEngine
 
 from .counting import CountingCudaEngine, count_copies
-from .strict_cuda import StrictCuda, install, uninstall
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture
-def strict(monkeypatch) -> StrictCuda:  # noqa: ANN001
-    emu = install(monkeypatch)
-    yield emu
-    uninstall(emu)
+def strict(strict_cuda):  # noqa: ANN001, ANN201 (tests/conftest.py)
+    return strict_cuda
 
 
 @pytest.mark.parametrize("home", ["pinned", "staged"])
@@ -108,3 +106,87 @@ def test_a_streamed_paged_step_is_stream_ordered(strict, monkeypatch) -> None:
         assert strict.violations == []
     finally:
         opt.close()
+
+
+# -- the emulation itself: what it must catch ---------------------------------------------
+
+
+def test_a_side_stream_copy_lands_later_and_only_a_wait_orders_it(strict) -> None:
+    side = torch.cuda.Stream()
+    src = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True).fill_(7)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    early = dst.sum()  # no wait: a race (and, most likely, the old bytes)
+    assert strict.violations and "without waiting" in strict.violations[0]
+    strict.violations.clear()
+    torch.cuda.current_stream().wait_event(done)
+    assert dst.sum().item() == 7 << 16 and done.query()
+    del early
+
+
+def test_a_freed_block_is_reused_at_once_and_poisoned(strict) -> None:
+    a = torch.empty(1000, dtype=torch.float32)
+    a.fill_(1.0)
+    ptr = a.data_ptr()
+    del a
+    b = torch.empty(900, dtype=torch.float32)  # the same stream's next request: the same block
+    assert b.data_ptr() == ptr and strict.allocator.reused == 1
+    assert torch.isnan(b).all()  # poison, not the old values
+
+
+@pytest.mark.parametrize("protect", [None, "record_stream", "wait"])
+def test_a_block_freed_while_a_side_copy_writes_it(strict, protect) -> None:
+    side = torch.cuda.Stream()
+    home = torch.empty(1 << 18, dtype=torch.uint8, pin_memory=True).fill_(3)
+    dst = torch.empty(1 << 18, dtype=torch.uint8)
+    ready = torch.cuda.Event()
+    ready.record()
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        dst.copy_(home, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    if protect == "record_stream":
+        dst.record_stream(side)
+    elif protect == "wait":
+        torch.cuda.current_stream().wait_event(done)
+    ptr = dst.data_ptr()
+    del dst  # dropped unread (a backward that raised)
+    new = torch.empty(1 << 18, dtype=torch.uint8)
+    if protect is None:
+        assert strict.violations and "record_stream" in strict.violations[0]
+        assert new.data_ptr() == ptr  # reused at once: the late copy lands in the new tensor
+        strict.violations.clear()
+    else:
+        assert strict.violations == []
+        assert new.data_ptr() != ptr or protect == "wait"
+
+
+def test_backward_runs_on_another_thread_with_the_callers_modes(strict) -> None:
+    seen = []
+    x = torch.randn(8, requires_grad=True)
+    y = x.exp()
+    y.register_hook(lambda g: seen.append(threading.get_ident()))
+    y.sum().backward()
+    assert seen and seen[0] != threading.get_ident()
+    assert torch.allclose(x.grad, x.detach().exp())
+
+
+def test_host_syncs_are_counted_by_kind(strict) -> None:
+    side = torch.cuda.Stream()
+    t = torch.arange(4.0)
+    t.sum().item()
+    t.tolist()
+    t.cpu()
+    float(t[0])
+    torch.cuda.synchronize()
+    side.synchronize()
+    pinned = torch.empty(4, pin_memory=True)
+    pinned.copy_(t)  # a blocking D2H
+    pinned.copy_(t, non_blocking=True)  # not a sync
+    pinned.tolist()  # host memory: not a sync
+    assert dict(strict.syncs) == {"item": 2, "tolist": 1, "blocking copy": 2, "synchronize": 1,
+                                  "stream.synchronize": 1}

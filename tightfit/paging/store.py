@@ -7,6 +7,11 @@ limit (evicting or restoring pages by bytes) with an event per change.
 Every byte that changes tier goes through the store's copy engine (the sweep's and a re-plan's
 alike); whoever caches views of page memory registers with :meth:`PageStore.on_move`. Pages on
 disk get room reserved before they are placed, and a checksum (:mod:`tightfit.paging.disk`).
+Pages on the host tier (an accelerator's) are regions of pinned chunks
+(:func:`tightfit.tiers.regions.pinned_pool`), pinned as asked and counted by the
+:class:`~tightfit.tiers.pinned.PinnedHost` in effect when the store is made, with whatever else
+pins through it (offloaded activations); the room a plan's host pages need is pinned before
+any page moves, and the chunks are unlocked when the store closes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from tightfit.paging.layout import Page
 from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.residency import plan_tiers
 from tightfit.paging.slab import Slab, page_runs, slabs_supported
+from tightfit.tiers import pinned
 from tightfit.tiers.copy import CopyEngine, CudaCopyEngine, Home
+from tightfit.tiers.regions import Region, RegionPool, aligned, pinned_pool
 from tightfit.tiers.spill import SpillArea
 
 
@@ -45,6 +52,9 @@ class PageStore:
             accelerator's, with a separate host tier (``host_budget`` honoured, pinned buffers
             requested), one buffer per page and a :class:`CudaCopyEngine` by default, as on
             CUDA (``tests/tiers/test_copy_emulated.py`` fakes its streams and pinning).
+
+    The store counts its pinned host bytes with :func:`tightfit.tiers.pinned.current` (the
+    accountant in effect when it is made), together with everything else pinned through it.
     """
 
     def __init__(
@@ -67,6 +77,9 @@ class PageStore:
         self.device_budget = options.device_budget
         self.host_budget = None if self.on_cpu else options.host_budget
         self.device_limit = options.device_budget  # lowered by pressure (see limit_device)
+        # device bytes the owner's update needs besides pages and window (the optimizer's fp32
+        # copies of bf16/fp16 params, a page's worth at a time): planned inside the limit
+        self.scratch_bytes = 0
         self.pages: list[Page] = []
         self.spill = SpillArea(options.spill_dir)  # removes spill folders of processes that are gone
         self.events = EventLog()
@@ -74,7 +87,11 @@ class PageStore:
             self.events.record("cleanup", f"removed the spill folder {gone.path} of process "
                                f"{gone.pid}, which no longer runs", gone.nbytes, 0, "disk", "-")
         self.counters = PagingCounters()
-        self.engine = engine or (CopyEngine() if self.on_cpu else CudaCopyEngine(device))
+        self.pinned = pinned.current()
+        self.engine = engine or (CopyEngine() if self.on_cpu else
+                                 CudaCopyEngine(device, host=self.pinned, stream_name="pages"))
+        self._host_pool: RegionPool | None = None  # the host tier's pinned chunks
+        self._host_regions: dict[int, Region] = {}  # page index -> its region there
         self.slots: list[torch.Tensor] = []
         self.materialized = False
         self.device_bytes = 0
@@ -141,7 +158,10 @@ class PageStore:
     # ------------------------------------------------------------------ planning
     def plan(self) -> tuple[list[str], int]:
         """Target tier of every page and the number of window slots, under the current limits."""
-        return plan_tiers(self.pages, self.device_limit, self.options, self.on_cpu)
+        limit = self.device_limit
+        if limit is not None and self.scratch_bytes:
+            limit = max(limit - self.scratch_bytes, self.page_bytes)
+        return plan_tiers(self.pages, limit, self.options, self.on_cpu)
 
     def materialize(self) -> None:
         """Allocate every page (zeros) in its planned tier."""
@@ -153,6 +173,22 @@ class PageStore:
         hint = "device_budget" if self.on_cpu else "device_budget or host_budget"
         disk.reserve(self.spill, [p for p, t in zip(self.pages, tiers) if t == "disk"], hint)
 
+    def _reserve_host(self, tiers: list[str]) -> None:
+        """Pin the host room the plan needs before any page moves (``TierFullError`` naming the
+        budget, the room and the fix, with nothing moved): a region for every page that will be
+        on the host, and for those there now (freed only as they move)."""
+        need = sum(aligned(p.nbytes) for p, t in zip(self.pages, tiers)
+                   if "host" in (t, p.tier))
+        if need and not self.on_cpu:
+            self._host_tier().reserve(need)
+
+    def _host_tier(self) -> RegionPool:
+        if self._host_pool is None:
+            self._host_pool = pinned_pool(self.page_bytes, None, host=self.pinned,
+                                          what="optimizer host pages",
+                                          device=None if self._emulated else self.device)
+        return self._host_pool
+
     def apply_plan(self, reason: str) -> None:
         """Move pages to the tiers :meth:`plan` gives, freeing device bytes before using any.
 
@@ -161,6 +197,7 @@ class PageStore:
         """
         tiers, nslots = self.plan()
         self._reserve_disk(tiers)
+        self._reserve_host(tiers)
         with hold_interrupts():
             self._apply(tiers, nslots, reason)
 
@@ -241,19 +278,25 @@ class PageStore:
         self.device_bytes += nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
-    def _alloc(self, tier: str, nbytes: int) -> torch.Tensor:
+    def _alloc(self, tier: str, nbytes: int, page: Page | None = None) -> torch.Tensor:
         if tier == "device":
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._count_device(nbytes)
             return buf
+        assert page is not None  # a host page: a region of the pinned chunks
+        region = self._host_tier().take(nbytes)
+        self._host_regions[page.index] = region
         self.host_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=not self.on_cpu)
+        return region.view
 
-    def _release(self, tier: str, nbytes: int) -> None:
+    def _release(self, tier: str, nbytes: int, page: Page | None = None) -> None:
         if tier == "device":
             self.device_bytes -= nbytes
         elif tier == "host":
             self.host_bytes -= nbytes
+            region = self._host_regions.pop(page.index, None) if page is not None else None
+            if region is not None and self._host_pool is not None:
+                self._host_pool.give(region)  # the copies out of it were synchronized
 
     def _free_slots(self) -> None:
         for slot in self.slots:
@@ -293,13 +336,13 @@ class PageStore:
             self._count_device(page.nbytes)
             tracker.external_allocated((slab, page.index), page.nbytes)  # MemoryTracker sees it
         else:
-            new_buf = self._alloc(dst, page.nbytes)
+            new_buf = self._alloc(dst, page.nbytes, page)
             if data is None:
                 new_buf.zero_()
             else:
                 page.copy_state(new_buf, data, self.engine.copy)
         if src in ("device", "host"):
-            self._release(src, page.nbytes)
+            self._release(src, page.nbytes, page)
         page.buf, page.tier = new_buf, dst
         page._arrays = page._views = None  # cached views hold the old memory alive
         if in_slab:
@@ -356,15 +399,21 @@ class PageStore:
         """Bytes of pages kept on the device between steps (the streaming window excluded)."""
         return sum(p.nbytes for p in self.pages if p.tier == "device")
 
+    def host_pinned_bytes(self) -> int:
+        """Host bytes the store keeps pinned: its host tier's chunks (what the host pages
+        take, alignment and the room of pages since restored included)."""
+        return 0 if self._host_pool is None else self._host_pool.capacity_bytes
+
     def stats(self) -> dict[str, Any]:
         """Bytes per tier, traffic counters, limits and event counts (the store's part of
         ``PagedOptimizer.memory_stats()``)."""
         c, counts = self.counters, self.events.counts
         return {
             "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+            "host_pinned_bytes": self.host_pinned_bytes(),
             "disk_bytes": self.disk_bytes(), "peak_device_bytes": self.peak_device_bytes,
             "state_bytes": self.state_bytes, "resident_bytes": self.resident_bytes(),
-            "window_bytes": sum(t.numel() for t in self.slots),
+            "window_bytes": sum(t.numel() for t in self.slots), "scratch_bytes": self.scratch_bytes,
             "bytes_paged_in": c.bytes_paged_in, "bytes_paged_out": c.bytes_paged_out,
             "page_faults": c.page_faults, "stall_seconds": c.stall_seconds,
             "pages": len(self.pages), "page_bytes": self.page_bytes,
@@ -393,4 +442,10 @@ class PageStore:
                 slab.close()
             self._slabs = {}
             self.device_bytes = self.host_bytes = 0
-            self.spill.close()
+            self._host_regions.clear()
+            try:
+                if self._host_pool is not None:
+                    self._host_pool.close()  # unlocks the pinned chunks (the engine is done)
+            finally:
+                self._host_pool = None
+                self.spill.close()

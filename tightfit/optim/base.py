@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from tightfit.integrity.interrupts import hold_interrupts
-from tightfit.optim import update_lists
+from tightfit.optim import upcast, update_lists
 from tightfit.optim.host_reads import HostReads
 from tightfit.optim.optimizer_options import check_keywords, paging_options
 from tightfit.optim.param_groups import GroupLayout, common_device, intake
@@ -46,13 +46,13 @@ from tightfit.paging.events import PagingEvent
 from tightfit.paging.layout import Page, StateSpec
 from tightfit.paging.paging_options import PagingOptions
 from tightfit.paging.store import PageStore
-from tightfit.paging.sweep import sweep
+from tightfit.paging.sweep import mark_done, sweep
 from tightfit.pressure.occupancy import OccupancyControl, oom_reason, recover_from_oom
 from tightfit.pressure.probes import Probe
 from tightfit.pressure.watch import PressureWatch
 from tightfit.tiers.copy import CopyEngine
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
     """Base of the paged optimizers (see the module docstring for the subclass contract).
 
@@ -299,8 +299,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
 
         Returns:
             ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
-            ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``bytes_paged_in``,
-            ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
+            ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``scratch_bytes``,
+            ``bytes_paged_in``, ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
             ``device_budget``, ``host_budget``, ``spill_dir``, ``evict_events``,
             ``restore_events``, ``oom_recoveries``; with a target also ``target_bytes``,
             ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
@@ -335,6 +335,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         if not active:
             return loss
         self._follow_device("step()")
+        upcast.plan_scratch(self._store)  # bf16/fp16 params' fp32 copies, inside the budget
         # The AMP scaler's attributes (what torch's fused kernels honour): skip on inf/NaN.
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(torch.as_tensor(found_inf).ne(0).any()):
@@ -445,22 +446,29 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         group = self.param_groups[first.group]
         params = group["params"]
         staged = update_lists.staging(params, items, self._maybe_staged, self._access.orders)
-        lists = update_lists.bucket_lists(
-            self.state, params, items, self._view_limit, self._view_cache.for_step(self._step_id),
-            self._access.orders, staged,
-        )  # fmt: skip
-        if lists is None:
-            return
-        flat, grads, states, steps = lists
-        scale = self._grad_scale
-        if scale is not None and not self._takes_grad_scale(group):
-            grads = [g / scale.to(g.device) for g in grads]  # unscaled copies: never in place
-        if first.dtype in _LOW_PRECISION:
-            # fp32 state for bf16/fp16 params: update an fp32 copy, round once into the param.
-            p32 = [p.float() for p in flat]
-            self._update(group, p32, [g.float() for g in grads], states, steps)
-            torch._foreach_copy_(flat, p32)
+
+        def lists(bucket: list[tuple[Page, dict[str, torch.Tensor]]]) -> update_lists.Lists | None:
+            return update_lists.bucket_lists(
+                self.state, params, bucket, self._view_limit,
+                self._view_cache.for_step(self._step_id), self._access.orders, staged,
+            )  # fmt: skip
+
+        scale = None if self._takes_grad_scale(group) else self._grad_scale
+        if first.dtype in upcast.LOW_PRECISION:
+            # fp32 state for bf16/fp16 params: fp32 copies of a page's worth at a time
+            def done(pages: list[Page]) -> None:  # a later run raised: these stay updated
+                update_lists.unstage(params, staged, self._access.orders)
+                mark_done(pages, self._pending_step)  # type: ignore[arg-type]
+
+            upcast.update_in_runs(items, lists, lambda *a: self._update(group, *a),
+                                  grad_scale=scale, done=done)  # fmt: skip
         else:
+            got = lists(items)
+            if got is None:
+                return
+            flat, grads, states, steps = got
+            if scale is not None:
+                grads = [g / scale.to(g.device) for g in grads]  # unscaled copies: never in place
             self._update(group, flat, grads, states, steps)
         update_lists.unstage(params, staged, self._access.orders)
 

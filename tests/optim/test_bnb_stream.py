@@ -33,9 +33,9 @@ def test_the_kernel_runs_between_the_two_waits(strict_cuda) -> None:
 
 def test_the_current_stream_waits_even_when_the_kernel_raises(strict_cuda) -> None:
     side = torch.cuda.Stream()
-    with pytest.raises(RuntimeError, match="boom"), torch.cuda.stream(side):
-        with quant8.bnb_stream_order(CUDA0):
-            raise RuntimeError("boom")
+    boom = pytest.raises(RuntimeError, match="boom")
+    with boom, torch.cuda.stream(side), quant8.bnb_stream_order(CUDA0):
+        raise RuntimeError("boom")
     assert _waits(strict_cuda) == [("wait_stream", "compute", side.name),
                                    ("wait_stream", side.name, "compute")]  # fmt: skip
 

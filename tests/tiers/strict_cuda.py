@@ -44,6 +44,7 @@ import contextlib
 import random
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,6 +222,7 @@ def _merge(into: Clock, other: Clock) -> None:
 class _Storage:
     stream: Stream  # allocated on
     label: str
+    nbytes: int
     write: tuple[Stream, int] | None = None
     reads: dict[int, tuple[Stream, int]] = field(default_factory=dict)
     others: dict[int, tuple[Stream, int]] = field(default_factory=dict)  # last use per stream
@@ -238,6 +240,7 @@ class StrictCuda(TorchDispatchMode):
         self.violations: list[str] = []
         self.calls: list[tuple[str, ...]] = []  # ("wait_event"/"wait_stream", who, on whom)
         self.syncs: collections.Counter[str] = collections.Counter()
+        self.sync_debug = "default"
         self.pinned: set[int] = set()
         self.allocator = CachingAllocator()
         self.compute = Stream(self, "compute", worker=False)
@@ -279,8 +282,23 @@ class StrictCuda(TorchDispatchMode):
 
     # -- host syncs --------------------------------------------------------------------
     def count_sync(self, kind: str) -> None:
-        if threading.get_ident() in self._threads:
-            self.syncs[kind] += 1
+        if threading.get_ident() not in self._threads:
+            return
+        self.syncs[kind] += 1
+        if self.sync_debug == "error":  # torch.cuda.set_sync_debug_mode("error")
+            raise RuntimeError(f"called a synchronizing CUDA operation ({kind})")
+        if self.sync_debug == "warn":
+            warnings.warn(f"called a synchronizing CUDA operation ({kind})", stacklevel=3)
+
+    def set_sync_debug_mode(self, mode: int | str) -> None:
+        """``torch.cuda.set_sync_debug_mode``: 0/"default", 1/"warn", 2/"error"."""
+        names = {0: "default", 1: "warn", 2: "error"}
+        self.sync_debug = names.get(mode, mode)  # type: ignore[call-overload]
+
+    def allocated_bytes(self) -> int:
+        """``torch.cuda.memory_allocated``: bytes of the device storages alive now (those
+        made under the emulation)."""
+        return sum(info.nbytes for info in list(self._live.values()))
 
     def sync_count(self) -> int:
         """Host syncs counted so far, all kinds."""
@@ -300,7 +318,7 @@ class StrictCuda(TorchDispatchMode):
             return None
         info = self._live.get(id(st))
         if info is None and new_ok:
-            info = self._live[id(st)] = _Storage(stream, label)
+            info = self._live[id(st)] = _Storage(stream, label, st.nbytes())
             weakref.finalize(st, self._freed, id(st))
         return info
 
@@ -504,6 +522,8 @@ def install(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> StrictCuda:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: emu.synchronize())
     monkeypatch.setattr(torch.autograd, "backward", emu.backward_on_thread(torch.autograd.backward))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(emu))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", emu.set_sync_debug_mode)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: emu.allocated_bytes())
     emu.__enter__()
     return emu
 

@@ -256,13 +256,20 @@ class _MemoryHooks:
         return hook
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2-sharded parameter's local shard (a DTensor has no storage of its own)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _memory_pass(model: nn.Module, example: Any, chain: list[nn.Module], device: torch.device,
                  params: list[nn.Parameter]) -> dict[str, Any]:
     n = len(chain)
     for p in params:
         p.grad = None
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    skip |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    skip = {_local(p).untyped_storage().data_ptr() for p in params}
+    skip |= {_local(b).untyped_storage().data_ptr() for b in model.buffers()}
     mt = MemoryTracker(device)
     hooks = _MemoryHooks(n, skip, mt)
     # the example's own tensors (a position_ids the caller passes) are alive anyway

@@ -28,6 +28,7 @@ def shard_model(
     blocks: list[nn.Module] | None = None,
     reshard_after_forward: bool = True,
     shard_frozen: bool = True,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Make ``model`` data-parallel over the default process group.
 
@@ -46,6 +47,7 @@ def shard_model(
             4-bit layers included (their codes, absmax and nested absmax become parameters,
             :func:`tightfit.qlora.shardable.make_shardable`). ``False`` leaves them
             replicated on every rank (``fully_shard(ignored_params=...)``).
+        device: this rank's device (default: the model's); pass it for a model on meta.
 
     Returns:
         The module to train and to hand to DCP's state-dict helpers.
@@ -61,7 +63,7 @@ def shard_model(
             "no process group: launch with torchrun and call "
             "tightfit.distributed.launch.init_from_env() first"
         )
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)

@@ -104,6 +104,52 @@ def quantize_linears(
     return replaced
 
 
+def linear4bit_skeleton(
+    model: nn.Module,
+    *,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+) -> list[str]:
+    """:func:`quantize_linears`' swap with no data: each linear (but the head) becomes a
+    ``Linear4bit`` whose weight is an empty ``Params4bit`` placeholder on the CPU.
+
+    For a model on the meta device that is loaded shard by shard later
+    (:mod:`tightfit.distributed.sharded_load`): peft wraps these layers as it wraps quantized
+    ones (its LoRA weights stay on the CPU, for real), then
+    :func:`tightfit.qlora.shardable.empty_shardable` gives them the quantized shapes.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    skip = output_head_names(model)
+    replaced: list[str] = []
+    for qual, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            full = f"{qual}.{name}" if qual else name
+            if not isinstance(child, (nn.Linear, Conv1D)) or full in skip or name == "lm_head":
+                continue
+            transposed = isinstance(child, Conv1D)
+            in_f, out_f = (child.weight.shape if transposed
+                           else (child.in_features, child.out_features))  # fmt: skip
+            q = bnb.nn.Linear4bit(in_f, out_f, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=double_quant,
+                                  quant_type=quant_type, quant_storage=torch.uint8,
+                                  device="meta")  # fmt: skip
+            q.weight = bnb.nn.Params4bit(
+                torch.empty(0, dtype=torch.uint8), requires_grad=False,
+                compress_statistics=double_quant, quant_type=quant_type,
+                quant_storage=torch.uint8, bnb_quantized=True,
+            )  # fmt: skip
+            if child.bias is not None:
+                q.bias = nn.Parameter(torch.empty(out_f, dtype=compute_dtype, device="meta"),
+                                      requires_grad=False)  # fmt: skip
+            q.support_avx512bf16_for_cpu = False  # as quantize_linears: one kernel throughout
+            q.transposed = transposed
+            setattr(module, name, q)
+            replaced.append(full)
+    return replaced
+
+
 def linear4bit_layers(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit]]:
     """Yield ``(name, layer)`` for every bitsandbytes 4-bit linear layer in ``model``
     (FSDP2-shardable ones, :class:`~tightfit.qlora.shardable.ShardableLinear4bit`, too)."""

@@ -37,6 +37,7 @@ __all__ = [
     "REPLICATED_BYTES",
     "ShardableLinear4bit",
     "base_parameters",
+    "empty_shardable",
     "make_shardable",
     "shardable_layers",
 ]
@@ -54,6 +55,7 @@ class ShardableLinear4bit(bnb.nn.Linear4bit):
     """
 
     shape: tuple[int, ...]
+    transposed: bool  # built from a GPT-2 Conv1D ([in, out]): its source weight is W.t()
     blocksize: int
     nested_blocksize: int | None
     state_dtype: torch.dtype
@@ -144,7 +146,7 @@ def make_shardable(layer: bnb.nn.Linear4bit) -> ShardableLinear4bit:
     layer.weight = _frozen(codes)
     layer.absmax = _frozen(qs.absmax)
     layer.shape, layer.blocksize, layer.state_dtype = tuple(qs.shape), qs.blocksize, qs.dtype
-    layer.quant_type = qs.quant_type
+    layer.quant_type, layer.transposed = qs.quant_type, False
     layer.register_buffer("quant_map", qs.code, persistent=False)
     if qs.nested:
         layer.nested_absmax = _frozen(qs.state2.absmax)
@@ -154,6 +156,39 @@ def make_shardable(layer: bnb.nn.Linear4bit) -> ShardableLinear4bit:
     else:
         layer.nested_blocksize = None
     layer.quant_state = None  # bitsandbytes' module-level copy: the parameters are the truth
+    return layer
+
+
+def empty_shardable(layer: bnb.nn.Linear4bit, *, blocksize: int) -> ShardableLinear4bit:
+    """A :class:`ShardableLinear4bit` of ``layer``'s quantized shapes on the meta device,
+    for a model loaded shard by shard (the data arrive after FSDP2 has cut them).
+
+    ``layer`` is a :func:`tightfit.qlora.quantize.linear4bit_skeleton` layer: its kind,
+    double quantization and compute dtype are kept; ``blocksize`` is the quantization's.
+    """
+    nested = bool(layer.weight.compress_statistics)
+    quant_type = layer.weight.quant_type
+    n = layer.in_features * layer.out_features
+    blocks = -(-n // blocksize)
+    transposed = getattr(layer, "transposed", False)
+    layer.__class__ = ShardableLinear4bit
+    assert isinstance(layer, ShardableLinear4bit)
+    del layer._parameters["weight"]
+    meta = torch.device("meta")
+    layer.weight = _frozen(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=meta))
+    layer.absmax = _frozen(torch.empty(blocks, dtype=torch.uint8 if nested else torch.float32,
+                                       device=meta))  # fmt: skip
+    layer.shape, layer.blocksize = (layer.out_features, layer.in_features), blocksize
+    layer.state_dtype, layer.quant_type, layer.transposed = torch.float32, quant_type, transposed
+    layer.register_buffer("quant_map", torch.empty(16, device=meta), persistent=False)
+    if nested:
+        layer.nested_absmax = _frozen(torch.empty(-(-blocks // 256), device=meta))
+        layer.register_buffer("nested_code", torch.empty(256, device=meta), persistent=False)
+        layer.register_buffer("nested_offset", torch.empty((), device=meta), persistent=False)
+        layer.nested_blocksize = 256
+    else:
+        layer.nested_blocksize = None
+    layer.quant_state = None
     return layer
 
 

@@ -98,9 +98,9 @@ def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
         from tightfit.distributed.sharded_load import load_sharded
 
         return load_sharded(folder, options, lora=lora, example=example, device=info.device)
-    import tightfit
+    from tightfit.qlora.prepare import prepare
 
-    return tightfit.prepare(folder, options, lora=lora, example=example, device=info.device)
+    return prepare(folder, options, lora=lora, example=example, device=info.device)
 
 
 def base_bytes(model: nn.Module) -> dict[str, int]:

@@ -14,6 +14,7 @@ import torch
 
 from tightfit.checkpoint.plan import OFFLOADS, OffloadMode
 from tightfit.measure.dtypes import DtypeName, dtype_name, torch_dtype
+from tightfit.qlora.paged_base import check_resident_layers
 
 QuantKind = Literal["nf4", "fp4"]
 # "auto" picks per device; the rest is the one dtype vocabulary (tightfit.measure.dtypes)
@@ -140,6 +141,13 @@ class PrepareOptions:
                           "sequence does not fit the budget otherwise, the tile chosen by "
                           "prediction), none, or an integer (always tiled)"},
     )
+    resident_layers: int | Literal["all"] = field(
+        default="all",
+        metadata={"help": "decoder layers whose 4-bit base weights stay on the device: all, "
+                          "or a number (the last ones; the others wait on the next tier, "
+                          "pinned host RAM on CUDA or a spill file on the CPU, and stream in "
+                          "one layer ahead: docs/checkpoint.md, Paged base weights)"},
+    )
 
     def __post_init__(self) -> None:
         if self.quant not in (None, "nf4", "fp4"):
@@ -184,6 +192,10 @@ class PrepareOptions:
                                    or budget < 0):
             raise ValueError(f"offload_host_budget must be a number of bytes >= 0 or None, got "
                              f"{budget!r}.")
+        check_resident_layers(self.resident_layers)
+        if self.resident_layers != "all" and self.quant is None:
+            raise ValueError("resident_layers pages the 4-bit base weights, and quant=None "
+                             "keeps none; pass quant='nf4' or resident_layers='all'.")
 
     @classmethod
     def merged(cls, options: PrepareOptions | None, overrides: Mapping[str, Any]) -> PrepareOptions:

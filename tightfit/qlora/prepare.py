@@ -30,9 +30,11 @@ from tightfit.checkpoint.plan import Plan, parse_policy
 from tightfit.checkpoint.tiling import Tiling
 from tightfit.loss import enable_chunked_loss
 from tightfit.measure.dtypes import torch_dtype
+from tightfit.model.blocks import find_blocks
 from tightfit.pressure.room import machine_room
 from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import check_experts, expert_modules, expert_weight_names
+from tightfit.qlora.paged_base import check_resident_layers, enable_paged_base
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.qlora.quantize import output_head_names, quantize_base
 
@@ -185,7 +187,7 @@ def prepare(
         **overrides: Fields of :class:`PrepareOptions` by name (``quant``, ``double_quant``,
             ``blocksize``, ``compute_dtype``, ``checkpoint``, ``checkpoint_budget``,
             ``loss_chunks``, ``offload``, ``offload_host_budget``, ``offload_dir``,
-            ``mlp_tile``), each documented there; one that differs from what ``options``
+            ``mlp_tile``, ``resident_layers``), each documented there; one that differs from what ``options``
             says is an error, not a silent choice.
 
     Returns:
@@ -215,6 +217,8 @@ def _prepare(
     model = _take_model(model_or_path)
     targets, expert_targets = _check_model(model, options, lora_opts)
     check_inputs(model, example, options.offload_dir)
+    if options.resident_layers != "all":  # more layers than the model has: before any change
+        check_resident_layers(options.resident_layers, len(find_blocks(model)))
     info = PrepareInfo(options, lora_opts, dev, cdtype, adapted=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
 
@@ -253,6 +257,10 @@ def _change(
         model = _add_lora(model, lora_opts, targets, expert_targets)
     info.notes += coverage_notes(model, quantized=options.quant is not None,
                                  adapted=lora_opts is not None)
+    if options.resident_layers != "all":  # before the plan: it sees the room paging leaves
+        pager = enable_paged_base(model, options.resident_layers, spill_dir=options.offload_dir)
+        info.notes.append(f"paged base weights: {options.resident_layers} decoder layers "
+                          f"resident, {pager.streamed_bytes} bytes on the next tier")
 
     # -- 4. chunked LM head + loss (first: the planner then profiles the chunked head) ---------
     info.loss_chunks = _apply_loss_chunks(model, options.loss_chunks, info.notes)

@@ -237,3 +237,28 @@ def test_a_full_tier_changes_nothing(monkeypatch) -> None:  # noqa: ANN001
     after = weights_of(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(not b._forward_pre_hooks for b in model.base_model.model.model.layers)
+
+
+def test_prepare_pages_the_weights_by_its_resident_layers_option() -> None:
+    want_losses, want_grads = train(prepared("every"))
+    model = tightfit.prepare(tiny(), checkpoint="every", loss_chunks=16, resident_layers=1,
+                             lora={"r": 4, "alpha": 8})
+    pager = paged_base_of(model)
+    assert pager is not None and pager.resident_layers == 1
+    assert any("paged base weights" in n for n in model.tightfit_info.notes)
+    losses, grads = train(model)
+    assert all(torch.equal(a, b) for a, b in zip(want_losses, losses))
+    assert all(torch.equal(want_grads[-1][k], grads[-1][k]) for k in want_grads[-1])
+    disable_paged_base(model)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"resident_layers": LAYERS + 1}, "more than the model's 4 decoder layers"),
+    ({"resident_layers": -2}, "negative"),
+    ({"resident_layers": 1, "quant": None}, "quant=None keeps none"),
+])
+def test_prepare_refuses_bad_resident_layers_before_any_change(kw, match) -> None:
+    model = tiny()
+    with pytest.raises(ValueError, match=match):
+        tightfit.prepare(model, checkpoint=None, **kw)
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())

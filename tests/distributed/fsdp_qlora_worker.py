@@ -1,0 +1,31 @@
+"""Worker for ``test_fsdp_qlora.py``: two scenarios of the QLoRA check in one 2-rank launch.
+
+    torchrun --nproc_per_node 2 tests/distributed/fsdp_qlora_worker.py ONE TWO RESUMED
+
+``ONE`` holds the single-process run (its ``model/`` safetensors and ``saved/`` state).
+Writes a fresh sharded run to ``TWO`` (saving after step 2) and, in ``RESUMED``, the
+single-process saved state resumed on the 2 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tightfit.distributed import launch, qlora_check
+
+
+def main(argv: list[str]) -> int:
+    one, two, resumed = argv
+    info = launch.init_from_env(device="cpu")
+    model = os.path.join(one, "model")
+    for out, resume_from in ((two, ""), (resumed, os.path.join(one, "saved"))):
+        os.makedirs(out, exist_ok=True)
+        qlora_check.run(qlora_check.QloraCheck(out=out, model=model, resume_from=resume_from,
+                                               device="cpu"), info)  # fmt: skip
+    launch.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

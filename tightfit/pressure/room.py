@@ -15,7 +15,7 @@ import torch
 from tightfit.checkpoint.long_step import Room
 from tightfit.measure.sizes import format_bytes
 from tightfit.pressure.probes import CudaProbe, RSSProbe, cgroup_memory_limit
-from tightfit.tiers.regions import meminfo
+from tightfit.tiers.pinned import meminfo
 
 
 def machine_room(dev: torch.device) -> Room:

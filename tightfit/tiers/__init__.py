@@ -3,8 +3,11 @@
 Here:
     copy: ``CopyEngine``/``CudaCopyEngine``: copies between a home (host buffer, spill map)
         and a device slot: a worker thread for the spill map, a CUDA side stream with events.
-    regions: ``RegionPool`` of pinned host or disk regions (offloaded activations' homes),
-        ``TierFullError``, ``tier_capacity``, ``meminfo``.
+    regions: ``RegionPool`` of pinned host or disk regions (offloaded activations' homes,
+        the paged optimizer's host pages), ``tier_capacity``.
+    pinned: ``PinnedHost``, the one place host memory is pinned (registered buffers,
+        counted against one budget and the machine's room), ``TierFullError``, ``meminfo``.
+    streams: ``copy_stream``, the engines' dedicated side stream per device and role.
     spill: ``SpillArea``, memory-mapped spill files under a private folder; ``check_spill_dir``.
 
 May import measure, model and integrity (it uses measure, and integrity's owner files for

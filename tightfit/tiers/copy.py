@@ -24,6 +24,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from tightfit.tiers import pinned
+from tightfit.tiers.pinned import PinnedBuffer, PinnedHost
+from tightfit.tiers.streams import copy_stream
+
 
 @runtime_checkable
 class Home(Protocol):
@@ -253,51 +257,99 @@ class CudaCopyEngine(CopyEngine):
     """CUDA version: host↔device copies on a side stream ordered by events.
 
     Pinned host homes copy directly on the side stream. Spill-map homes are staged through a
-    pinned buffer per slot by the worker thread (a page fault must not block a stream).
+    pinned buffer per slot by the worker thread (a page fault must not block a stream); the
+    staged H2D is queued by the first engine call after the read lands (the sweep makes one
+    per page), so it overlaps the compute before :meth:`wait`, which only queues it when the
+    read was late.
+
+    Args:
+        device: The CUDA device.
+        host: The accountant the staging buffers are pinned with (``None``: the one in effect,
+            :func:`tightfit.tiers.pinned.current`); they are unlocked when slots are freed and
+            on :meth:`close`.
+        stream_name: The role of the side stream (``"pages"``, ``"activations"``): engines of
+            one role on one device share a dedicated stream (:func:`copy_stream`).
+
+    :meth:`wait` returns the seconds the host was blocked plus the seconds the compute stream
+    stood waiting for copies on the GPU (timed with events, read without a sync once both have
+    completed: a wait's GPU stall is counted by a later call).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host: PinnedHost | None = None,
+                 stream_name: str = "activations") -> None:
         super().__init__()
         self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._staging: dict[int, torch.Tensor] = {}
+        self.stream = copy_stream(device, stream_name)
+        self.host = host if host is not None else pinned.current()
+        self._staging: dict[int, PinnedBuffer] = {}
+        self._timed: deque[tuple[object, object]] = deque()  # (compute arrived, copy done)
+        self._staged: deque[_Staged] = deque()  # staged loads whose H2D is not queued yet
 
     def _stage(self, slot: torch.Tensor) -> torch.Tensor:
         key = slot.data_ptr()
         buf = self._staging.get(key)
-        if buf is None or buf.numel() < slot.numel():
-            buf = torch.empty(slot.numel(), dtype=torch.uint8, pin_memory=True)
+        if buf is None or buf.nbytes < slot.numel():
+            if buf is not None:
+                buf.release()
+            buf = self.host.pin(slot.numel(), "staging buffers", self.device)
             self._staging[key] = buf
-        return buf[: slot.numel()]
+        return buf.tensor[: slot.numel()]
 
     def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
+        self._issue_read()
         if _pinned(home):
             self._wait_for_compute()
             with torch.cuda.stream(self.stream):
                 slot.copy_(home, non_blocking=True)
-                event = torch.cuda.Event()
+                event = _timing_event()
                 event.record(self.stream)
             return ("event", event)
         staging = self._stage(slot)
-        return ("staged", self._pool.submit(read_home, home, staging), staging, slot)
+        ready = torch.cuda.Event()  # the compute queued so far (the slot's last use) comes first
+        ready.record(torch.cuda.current_stream(self.device))
+        staged = _Staged(self._pool.submit(read_home, home, staging), staging, slot, ready)
+        self._staged.append(staged)
+        return ("staged", staged)
+
+    def _issue_read(self) -> None:
+        """Queue the H2D of every staged load whose disk read has landed (called from each
+        engine call on the caller's thread, where every stream operation is made): the copy
+        then overlaps the compute before its :meth:`wait`."""
+        while self._staged and self._staged[0].task.done:
+            self._staged.popleft().issue(self.stream)
 
     def wait(self, handle: object) -> float:
         t0 = time.perf_counter()
         if handle[0] == "staged":  # type: ignore[index]
-            _, fut, staging, slot = handle  # type: ignore[misc]
-            fut.result()
-            self._wait_for_compute()  # as load()
-            with torch.cuda.stream(self.stream):
-                slot.copy_(staging, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+            staged = handle[1]  # type: ignore[index]
+            staged.task.result()  # the read (raises a failed one)
+            self._issue_read()
+            staged.issue(self.stream)  # (when an earlier one is still being read)
+            event = staged.done
         else:
             event = handle[1]  # type: ignore[index]
+        compute = torch.cuda.current_stream(self.device)
+        arrived = _timing_event()
+        arrived.record(compute)
         # The compute stream waits on the GPU; the host does not block.
-        torch.cuda.current_stream(self.device).wait_event(event)
-        return time.perf_counter() - t0
+        compute.wait_event(event)
+        self._timed.append((arrived, event))
+        return time.perf_counter() - t0 + self._gpu_stalls()
+
+    def _gpu_stalls(self, all_done: bool = False) -> float:
+        """Seconds the compute stream waited for copies, of the waits whose events have
+        completed (``query``: no sync); ``all_done``: the device was synchronized."""
+        stalled = 0.0
+        while self._timed:
+            arrived, done = self._timed[0]
+            if not all_done and not (arrived.query() and done.query()):  # type: ignore[attr-defined]
+                break
+            self._timed.popleft()
+            stalled += _stall_seconds(arrived, done)
+        return stalled
 
     def store(self, slot: torch.Tensor, home: torch.Tensor | Home) -> None:
+        self._issue_read()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(done)
@@ -320,7 +372,8 @@ class CudaCopyEngine(CopyEngine):
     def offload(self, src: torch.Tensor, home: torch.Tensor) -> object:
         if not home.is_pinned():
             raise ValueError("CudaCopyEngine.offload moves device bytes to pinned host memory; "
-                             "allocate the home with pin_memory=True")
+                             "take the home from a pinned pool (tightfit.tiers.regions."
+                             "pinned_pool)")
         return ("event", *self._after_compute(lambda: home.copy_(src, non_blocking=True)))
 
     def retire(self, handle: object) -> float:
@@ -364,7 +417,7 @@ class CudaCopyEngine(CopyEngine):
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             copy()
-            done = torch.cuda.Event()
+            done = _timing_event()
             done.record(self.stream)
         return done, compute
 
@@ -377,10 +430,20 @@ class CudaCopyEngine(CopyEngine):
         super().drain()
         torch.cuda.current_stream(self.device).synchronize()
 
+    def gpu_stall_seconds(self) -> float:
+        """Seconds of GPU stall not yet returned by :meth:`wait` (read once the device is
+        synchronized: every event has completed)."""
+        return self._gpu_stalls(all_done=True)
+
+    def _release_staging(self) -> None:
+        buffers, self._staging = list(self._staging.values()), {}
+        for buf in buffers:  # PinnedHost.release synchronizes the device first
+            buf.release()
+
     def slots_freed(self) -> None:
-        # staging buffers are keyed by slot address: new slots get new ones, so drop these
-        # (pinned memory) rather than keep one set per re-plan
-        self._staging.clear()
+        # staging buffers are keyed by slot address: new slots get new ones, so unlock these
+        # rather than keep one set per re-plan
+        self._release_staging()
 
     def close(self) -> None:
         # a load still in flight on the side stream (a step that failed) must land before
@@ -388,8 +451,47 @@ class CudaCopyEngine(CopyEngine):
         try:
             self.stream.synchronize()
         finally:
-            super().close()
-            self._staging.clear()
+            try:
+                super().close()
+            finally:
+                self._timed.clear()
+                self._staged.clear()
+                self._release_staging()
+
+
+class _Staged:
+    """A staged load: the worker's read into ``staging``, then (once) the H2D into ``slot``
+    on the side stream after ``ready`` (the compute that last used the slot)."""
+
+    __slots__ = ("task", "staging", "slot", "ready", "done")
+
+    def __init__(self, task: CopyTask, staging: torch.Tensor, slot: torch.Tensor,
+                 ready: object) -> None:
+        self.task, self.staging, self.slot, self.ready = task, staging, slot, ready
+        self.done: object | None = None
+
+    def issue(self, stream: object) -> None:
+        if self.done is not None or self.task.error is not None:
+            return  # queued already; a failed read is raised by its wait()
+        stream.wait_event(self.ready)  # type: ignore[attr-defined]
+        with torch.cuda.stream(stream):
+            self.slot.copy_(self.staging, non_blocking=True)
+            done = _timing_event()
+            done.record(stream)  # type: ignore[arg-type]
+        self.done = done
+
+
+def _timing_event() -> object:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _stall_seconds(arrived: object, done: object) -> float:
+    """How long after the compute stream reached a wait its copy completed (0 when the copy
+    was done first): ``elapsed_time`` of two completed timing events."""
+    elapsed = getattr(arrived, "elapsed_time", None)
+    if elapsed is None:  # events that do not time (an emulation's)
+        return 0.0
+    return max(0.0, float(elapsed(done))) / 1000.0
 
 
 def _wait_then(event: object, fn: Callable[[], object]) -> None:

@@ -6,6 +6,10 @@ regions, first fit, and coalesces them when they come back. A training step offl
 tensors every step and takes every region back before the next, so after the first step the
 pool never grows: no allocation of host buffers per step. A tier that runs out of room raises
 :class:`TierFullError`, naming the tier, the place and the bytes, before anything is written.
+
+Pinned chunks come from :mod:`tightfit.tiers.pinned`: exactly the bytes asked (whole pages,
+no power-of-two rounding), counted with the other pinned users against one budget, and
+unlocked when the pool closes. The page store's host tier is such a pool too.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import errno
 import mmap
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -23,15 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tightfit.measure import tracker
+from tightfit.tiers import pinned
 from tightfit.tiers.copy import CopyEngine
+from tightfit.tiers.pinned import PinnedBuffer, PinnedHost, TierFullError
 from tightfit.tiers.spill import SpillArea, release_range
 
 PAGE = mmap.PAGESIZE
-
-
-class TierFullError(OSError):
-    """The next tier has no room for bytes asked of it; free space there and rerun the step."""
+__all__ = ["PAGE", "Region", "RegionPool", "TierFullError", "aligned", "disk_pool",
+           "measure_tier", "pinned_pool", "tier_capacity"]
 
 
 def aligned(nbytes: int) -> int:
@@ -59,12 +61,15 @@ class RegionPool:
         grow_bytes: Size of the first chunk (the plan's predicted host bytes), at least.
         limit_bytes: Most bytes the pool may take on the tier (the host budget), or ``None``.
         where: The place, for messages (the spill folder, "pinned host memory").
+        free_chunk: ``free_chunk(index)`` gives chunk ``index`` back to its tier when the
+            pool closes (``None``: the chunk's owner frees it, as the spill area does).
     """
 
     def __init__(self, tier: str, make_chunk: Callable[[int, int], torch.Tensor],
-                 grow_bytes: int, limit_bytes: int | None, where: str) -> None:
+                 grow_bytes: int, limit_bytes: int | None, where: str,
+                 free_chunk: Callable[[int], None] | None = None) -> None:
         self.tier, self.where = tier, where
-        self._make = make_chunk
+        self._make, self._free_chunk = make_chunk, free_chunk
         self._grow = aligned(max(grow_bytes, PAGE))
         self.limit_bytes = limit_bytes
         self._chunks: list[torch.Tensor] = []
@@ -97,8 +102,9 @@ class RegionPool:
                 self._free[c].append((size, self._chunks[c].numel() - size))
             return self._handed(c, 0, size, nbytes)
 
-    def _new_chunk(self, size: int) -> int:
-        chunk = max(size, self._grow if not self._chunks else max(size, self._grow // 4))
+    def _new_chunk(self, size: int, exact: bool = False) -> int:
+        chunk = size if exact else max(size, self._grow if not self._chunks else
+                                       aligned(self._grow // 4))
         if self.limit_bytes is not None and self.capacity_bytes + chunk > self.limit_bytes:
             chunk = size  # a smaller chunk may still fit the budget
             if self.capacity_bytes + chunk > self.limit_bytes:
@@ -146,13 +152,29 @@ class RegionPool:
             return [self._chunks[c][lo:hi] for c, (lo, hi) in spans.items()
                     if c < len(self._chunks)]
 
-    def close(self) -> None:
-        """Forget every chunk (their owner frees them: the spill area's close, or the last
-        view of a pinned buffer going)."""
+    def reserve(self, nbytes: int) -> None:
+        """Grow the pool to hold at least ``nbytes`` in all (one new chunk of what is missing).
+
+        Raises:
+            TierFullError: The budget or the tier cannot hold it (nothing was added).
+        """
         with self._lock:
+            missing = aligned(nbytes) - self.capacity_bytes
+            if missing > 0:
+                self._new_chunk(missing, exact=True)
+                self._free[-1].append((0, missing))
+
+    def close(self) -> None:
+        """Forget every chunk and give each back to its tier (``free_chunk``; a spill
+        area's chunks go with its close). Every copy that used them must be done."""
+        with self._lock:
+            count = len(self._chunks)
             self._chunks.clear()
             self._free.clear()
             self.used_bytes = 0
+        if self._free_chunk is not None:
+            for index in range(count):
+                self._free_chunk(index)
 
 
 def disk_pool(spill: SpillArea, grow_bytes: int, limit_bytes: int | None) -> RegionPool:
@@ -172,22 +194,30 @@ def disk_pool(spill: SpillArea, grow_bytes: int, limit_bytes: int | None) -> Reg
     return RegionPool("disk", make, grow_bytes, limit_bytes, spill.location)
 
 
-def pinned_pool(grow_bytes: int, limit_bytes: int | None) -> RegionPool:
-    """Regions of pinned host buffers (the next tier of a CUDA device)."""
+def pinned_pool(grow_bytes: int, limit_bytes: int | None, *, host: PinnedHost | None = None,
+                what: str = "offloaded activations",
+                device: torch.device | None = None) -> RegionPool:
+    """Regions of pinned host buffers (the next tier of a CUDA device), pinned through
+    ``host`` (``None``: :func:`tightfit.tiers.pinned.current`) and unlocked on close.
+
+    Args:
+        grow_bytes: The first chunk (the bytes the plan predicts): pinned as asked, whole.
+        limit_bytes: Most bytes this pool may pin (its own budget), or ``None``.
+        host: The accountant shared with the other pinned users.
+        what: Who the bytes are for, in messages and ``host.stats()``.
+        device: The CUDA device whose copies use the chunks (synchronized before unlocking).
+    """
+    host = host if host is not None else pinned.current()
+    buffers: dict[int, PinnedBuffer] = {}
 
     def make(index: int, nbytes: int) -> torch.Tensor:
-        try:
-            # the host tier, not memory a step allocates on the device: not counted
-            with tracker.not_counted():
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:
-            raise TierFullError(
-                errno.ENOMEM,
-                f"offload tier 'host' (pinned host memory) could not pin {nbytes} bytes of "
-                f"offloaded activations ({exc}). Lower host_budget, free host memory, or "
-                "offload less; the step can be rerun") from exc
+        buffers[index] = host.pin(nbytes, what, device)  # TierFullError names the room
+        return buffers[index].tensor
 
-    return RegionPool("host", make, grow_bytes, limit_bytes, "pinned host memory")
+    def free(index: int) -> None:
+        buffers.pop(index).release()
+
+    return RegionPool("host", make, grow_bytes, limit_bytes, "pinned host memory", free)
 
 
 def _free_disk(folder: str | None) -> int:
@@ -197,41 +227,13 @@ def _free_disk(folder: str | None) -> int:
         return 0
 
 
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (``{}`` where there is none: not Linux)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
 def tier_capacity(tier: str, spill_dir: str | os.PathLike | None = None) -> int:
-    """Bytes the next tier can take now: free disk of the spill folder, or host RAM to pin.
-
-    Pinning is bounded by what is free (``MemAvailable``), and on WSL by half the RAM
-    (CUDA's pinned-memory limit there); other platforms get what is available.
-    """
+    """Bytes the next tier can take now: free disk of the spill folder, or host RAM to pin
+    (:meth:`tightfit.tiers.pinned.PinnedHost.room` of the accountant in effect: its budget
+    left, within ``MemAvailable``, the memory cgroup's room and, on WSL, half the RAM)."""
     if tier == "disk":
         return _free_disk(None if spill_dir is None else str(spill_dir))
-    info = meminfo()
-    avail = info.get("MemAvailable")
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return 0
-    if "microsoft" in _kernel_release().lower() and "MemTotal" in info:
-        avail = min(avail, info["MemTotal"] // 2)
-    return int(avail)
-
-
-def _kernel_release() -> str:
-    return os.uname().release if hasattr(os, "uname") and sys.platform != "win32" else ""
+    return pinned.current().room()
 
 
 def measure_tier(engine: CopyEngine, pool: RegionPool, device: torch.device,

@@ -1,4 +1,4 @@
-"""The non-fused Adam paths (foreach, single tensor) keep the sweep's rule "an update that
+"""The non-fused Adam paths (foreach, single tensor), PagedLion and PagedSGD (every path) keep the sweep's rule "an update that
 raised changed nothing": an out-of-memory error at any allocation inside the update leaves
 params and moments as they were, so the retry applies the update once.
 
@@ -11,6 +11,7 @@ that makes a new param-sized storage raises instead (what the caching allocator 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from torch.utils._pytree import tree_leaves
 
 from tightfit.optim import adam_math
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
+from tightfit.optim.lion import PagedLion
+from tightfit.optim.sgd import PagedSGD
 
 PAGE = 16 << 10
 SIZES = [3000, 5000, 4097]
@@ -209,3 +212,102 @@ def test_the_reordered_math_is_torchs_bit_for_bit(arrangement, foreach, dtype) -
             assert all(torch.equal(g, k) for g, k in zip(grads, kept))  # grads left alone
         for a, b in zip([*theirs, *ts[0], *ts[1], *ts[2]], [*ours, *os_[0], *os_[1], *os_[2]]):
             assert torch.equal(a, b), (amsgrad, maximize, decoupled, wd)
+
+
+# ---------------------------------------------------------------- PagedLion and PagedSGD
+# torch's single-tensor SGD allocates per tensor after updating the ones before it, its foreach
+# Nesterov adds the buffers into p.grad in place, and PagedLion's foreach path decayed the
+# params before allocating the direction (its loop allocated per tensor): each left a failed
+# update half applied, and the retry applied it again.
+
+OTHERS = {
+    "lion": (PagedLion, None, {"weight_decay": 0.1}),
+    "sgd-momentum": (PagedSGD, torch.optim.SGD, {"momentum": 0.9}),
+    "sgd-nesterov-wd": (PagedSGD, torch.optim.SGD,
+                        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    "sgd-dampening-maximize-wd": (PagedSGD, torch.optim.SGD,
+                                  {"momentum": 0.9, "dampening": 0.5, "maximize": True,
+                                   "weight_decay": 0.1}),
+    "sgd-plain-wd": (PagedSGD, torch.optim.SGD, {"weight_decay": 0.1}),  # no state, no pages
+}
+OTHER_KERNELS = {"foreach": {"foreach": True}, "forloop": {"foreach": False},
+                 "fused": {"fused": True}}  # fmt: skip
+
+
+def _clean(cls: type, torch_cls: type | None, kw: dict[str, Any]) -> list[nn.Parameter]:
+    """torch's optimizer (single-tensor loop) where there is one, else ours with no fault."""
+    ref = _params()
+    opt = (torch_cls(ref, lr=1e-2, foreach=False, **kw) if torch_cls is not None
+           else cls(ref, lr=1e-2, page_bytes=PAGE, **kw))  # fmt: skip
+    for step in range(1, 4):
+        for p, g in zip(ref, _grads(step)):
+            p.grad = g
+        opt.step()
+    return ref
+
+
+@pytest.mark.parametrize("kernel", OTHER_KERNELS)
+@pytest.mark.parametrize("variant", OTHERS)
+@pytest.mark.parametrize("at", [1, 2, 3])
+@pytest.mark.parametrize("budget", [None, 2 * PAGE], ids=["resident", "streamed"])
+@pytest.mark.parametrize("fault_step", [1, 2])
+def test_lion_and_sgd_retry_an_oom_at_any_allocation_exactly(kernel, variant, at, budget,
+                                                             fault_step) -> None:
+    cls, torch_cls, kw = OTHERS[variant]
+    if kernel == "fused" and cls is PagedLion:
+        pytest.skip("there is no fused Lion kernel (fused=True raises)")
+    ours = _params()
+    opt = cls(ours, lr=1e-2, page_bytes=PAGE, device_budget=budget, **kw, **OTHER_KERNELS[kernel])
+    opt.pager.materialize()  # the pages' own allocation is not the update's (not retried)
+    fault = AllocationFault(at)
+    for step in range(1, 4):
+        for p, g in zip(ours, _grads(step)):
+            p.grad = g
+        with fault if step == fault_step else contextlib.nullcontext():
+            opt.step()
+    if at == 1 and kernel != "fused" and variant != "sgd-momentum":
+        assert fault.fired  # these paths allocate in every update
+    assert opt.memory_stats()["oom_recoveries"] == len(fault.fired)
+    for o, r in zip(ours, _clean(cls, torch_cls, kw)):
+        assert _close(o.detach(), r.detach())
+    opt.close()
+
+
+def test_sgd_leaves_the_callers_grads_alone_with_nesterov() -> None:
+    # torch's foreach Nesterov adds the buffers into p.grad; a retry would then start from
+    # changed gradients
+    ours = _params()
+    opt = PagedSGD(ours, lr=1e-2, momentum=0.9, nesterov=True, foreach=True, page_bytes=PAGE)
+    for step in range(1, 3):
+        grads = _grads(step)
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        opt.step()
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, grads))
+    opt.close()
+
+
+def test_an_oom_in_a_later_plain_sgd_group_does_not_repeat_the_earlier_groups() -> None:
+    ref = _params()
+    ref_opt = torch.optim.SGD([{"params": ref[:1], "weight_decay": 0.1},
+                               {"params": ref[1:2], "momentum": 0.9},
+                               {"params": ref[2:], "weight_decay": 0.2}], lr=1e-2, foreach=False)
+    ours = _params()
+    opt = PagedSGD([{"params": ours[:1], "weight_decay": 0.1},
+                    {"params": ours[1:2], "momentum": 0.9},
+                    {"params": ours[2:], "weight_decay": 0.2}], lr=1e-2, foreach=False,
+                   page_bytes=PAGE)
+    for step in range(1, 4):
+        for p, q, g in zip(ours, ref, _grads(step)):
+            p.grad, q.grad = g, g.clone()
+        if step == 2:
+            with AllocationFault(at=2) as fault:  # the third group's weight-decay copy
+                opt.step()
+            assert len(fault.fired) == 1
+        else:
+            opt.step()
+        ref_opt.step()
+    assert opt.memory_stats()["oom_recoveries"] == 1
+    for o, r in zip(ours, ref):
+        assert _close(o.detach(), r.detach())
+    opt.close()

@@ -33,17 +33,35 @@ def lion_update_(
     foreach: bool = True,
 ) -> None:
     """One Lion step on parallel lists of fp32 tensors, in place (foreach kernels; with
-    ``foreach=False`` the same operations one tensor at a time)."""
-    if not foreach:
-        for p, g, m in zip(params, grads, exp_avgs):
-            lion_update_([p], [g], [m], lr=lr, beta1=beta1, beta2=beta2,
-                         weight_decay=weight_decay)  # fmt: skip
+    ``foreach=False`` the same operations one tensor at a time).
+
+    Every temporary is allocated before anything is written (the update direction: for all
+    tensors with foreach, one buffer the size of the largest tensor for the loop), so an
+    update that raises (out of memory) changed nothing and the sweep's retry applies it once.
+    """
+    if not params:
         return
-    if weight_decay > 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    update = torch._foreach_mul(exp_avgs, beta1)
+    if not foreach:
+        scratch = exp_avgs[0].new_empty(max(m.numel() for m in exp_avgs))
+        for p, g, m in zip(params, grads, exp_avgs):
+            update = scratch[: m.numel()].view_as(m)
+            torch.mul(m, beta1, out=update)
+            _lion_apply([p], [g], [m], [update], lr, beta1, beta2, weight_decay)
+        return
+    update = torch._foreach_mul(exp_avgs, beta1)  # the only allocation
+    _lion_apply(params, grads, exp_avgs, update, lr, beta1, beta2, weight_decay)
+
+
+def _lion_apply(params: list[torch.Tensor], grads: list[torch.Tensor],
+                exp_avgs: list[torch.Tensor], update: list[torch.Tensor], lr: float,
+                beta1: float, beta2: float, weight_decay: float) -> None:  # fmt: skip
+    """Lion's in-place part, given ``update = β1·m`` (allocates nothing). The params' decay
+    reads nothing the direction needs, so it comes after the direction's allocation with the
+    same result."""
     torch._foreach_add_(update, grads, alpha=1.0 - beta1)
     torch._foreach_sign_(update)
+    if weight_decay > 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
     torch._foreach_add_(params, update, alpha=-lr)
     torch._foreach_mul_(exp_avgs, beta2)
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.sgd import sgd as _sgd_functional
 
-from tightfit.optim import hyper, update_lists
+from tightfit.optim import hyper, sgd_math, update_lists
 from tightfit.optim.base import PagedOptimizer
 from tightfit.optim.element_order import PLAIN
 from tightfit.optim.update_lists import Group, StateLists, Tensors
@@ -80,6 +80,7 @@ class PagedSGD(PagedOptimizer):
             "differentiable": differentiable,
             "fused": fused,
         }
+        self._stateless_done: dict[int, int | None] = {}  # group -> step its plain SGD ran in
         super().__init__(params, defaults, **paging_kw)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -105,55 +106,54 @@ class PagedSGD(PagedOptimizer):
         group: dict[str, Any],
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
-        bufs: list[torch.Tensor | None],
+        bufs: list[torch.Tensor],
+        first: list[bool] | None = None,
     ) -> None:
+        """torch's SGD on the views, writing nothing when it raises (an out-of-memory error
+        is retried by the sweep): torch's fused kernel (it allocates nothing), else
+        :mod:`tightfit.optim.sgd_math`'s arrangement of torch's foreach/single-tensor math,
+        also for a call that starts buffers (``first``), which the fused kernel can only do
+        for every buffer at once."""
         if not params:
             return
         impl = hyper.implementation(group, params[0].device)
         scale = self._grad_scale
-        if scale is not None:
+        lr = self._host.scalar(group["lr"])  # a tensor lr: read once per step
+        hp = {"weight_decay": group["weight_decay"], "momentum": group["momentum"],
+              "dampening": group["dampening"], "nesterov": group["nesterov"],
+              "maximize": group["maximize"]}  # fmt: skip
+        if impl == "fused" and not any(first or ()):
+            torch_bufs = list(bufs) if hp["momentum"] != 0 else [None] * len(params)
+            _sgd_functional(params, grads, torch_bufs, foreach=False, fused=True, lr=lr,
+                            grad_scale=None if scale is None else scale.to(params[0].device),
+                            **hp)  # fmt: skip
+            return
+        if scale is not None:  # unscaled copies (allocated first): grads are never changed
             scale = scale.to(params[0].device)
-            if impl != "fused":  # unscaled copies: grads are never changed in place
-                grads, scale = [g / scale for g in grads], None
-        _sgd_functional(
-            params,
-            grads,
-            bufs,
-            foreach=impl == "foreach",
-            fused=impl == "fused",
-            grad_scale=scale,
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            lr=self._host.scalar(group["lr"]),  # a tensor lr: read once per step
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-        )
+            grads = [g / scale for g in grads]
+        sgd_math.sgd_(params, grads, bufs, first, foreach=impl != "forloop", lr=lr, **hp)
 
     def _update(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
-        bufs = states["momentum_buffer"]
-        first: list[int] = []
+        first = None
         if group["dampening"] != 0:  # only then does torch's first step differ from a zero buffer
-            first = [k for k, c in enumerate(self._host.counts(steps)) if c == 1]
-        if not first:
-            self._sgd(group, params, grads, list(bufs))
-            return
-        rest = sorted(set(range(len(params))) - set(first))
-        self._sgd(group, [params[k] for k in rest], [grads[k] for k in rest], [bufs[k] for k in rest])
-        new: list[torch.Tensor | None] = [None] * len(first)
-        self._sgd(group, [params[k] for k in first], [grads[k] for k in first], new)
-        for k, b in zip(first, new):
-            bufs[k].copy_(b)
+            first = [c == 1 for c in self._host.counts(steps)]
+        self._sgd(group, params, grads, states["momentum_buffer"], first)
 
     def _run_sweep(self) -> None:
+        step = self._pending_step
         super()._run_sweep()
         # Groups without momentum have no state and no pages: plain SGD, after the sweep so
-        # that a sweep stopped part-way (finish_step) never applies it twice.
-        for group in self.param_groups:
-            if group["momentum"] == 0:
+        # that a sweep stopped part-way (finish_step) never applies it twice; each group once
+        # per step (a retry after an out-of-memory error in a later group skips it), the step
+        # pending until every group is done.
+        self._pending_step = step
+        for gi, group in enumerate(self.param_groups):
+            if group["momentum"] == 0 and self._stateless_done.get(gi) != step:
                 self._stateless(group)
+                self._stateless_done[gi] = step
+        self._pending_step = None
 
     def _stateless(self, group: dict[str, Any]) -> None:
         """Plain SGD on a group's params in their page order (complex as real pairs; memory
@@ -170,7 +170,7 @@ class PagedSGD(PagedOptimizer):
             params.append(p)
             flats.append(flat)
             grads.append(order.flat(p.grad))
-        self._sgd(group, flats, grads, [None] * len(flats))
+        self._sgd(group, flats, grads, [])
         update_lists.unstage(params, staged, orders)
 
     def _load(self, state_dict: dict[str, Any]) -> None:

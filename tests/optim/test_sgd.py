@@ -123,3 +123,38 @@ def test_sparse_gradients_rejected() -> None:
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("arrangement", ["foreach", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_reordered_math_is_torchs_bit_for_bit(arrangement: str, dtype: torch.dtype) -> None:
+    # sgd_math against torch.optim.sgd's own foreach / single-tensor function, every flag that
+    # changes the ops, torch's None buffers on the first step (ours: zeros marked first)
+    from itertools import product
+
+    from torch.optim.sgd import sgd
+
+    from tightfit.optim import sgd_math
+
+    for momentum, dampening, nesterov, maximize, wd in product(
+            [0.0, 0.9], [0.0, 0.5], [False, True], [False, True], [0.0, 0.1]):
+        if nesterov and (momentum == 0 or dampening != 0):
+            continue
+        gen = torch.Generator().manual_seed(9)
+        theirs = [torch.randn(n, generator=gen, dtype=dtype) for n in (7, 300, 1025)]
+        ours = [p.clone() for p in theirs]
+        tbufs: list = [None] * len(theirs)
+        obufs = [torch.zeros_like(p) for p in ours]
+        for step in range(1, 5):
+            grads = [torch.randn(p.shape, generator=gen, dtype=dtype) for p in theirs]
+            hp = {"weight_decay": wd, "momentum": momentum, "lr": 1e-2, "dampening": dampening,
+                  "nesterov": nesterov, "maximize": maximize}
+            sgd(theirs, [g.clone() for g in grads], tbufs, foreach=arrangement == "foreach", **hp)
+            kept = [g.clone() for g in grads]
+            sgd_math.sgd_(ours, grads, obufs, [step == 1] * len(ours),
+                          foreach=arrangement == "foreach", **hp)
+            assert all(torch.equal(g, k) for g, k in zip(grads, kept))  # grads left alone
+        flags = (momentum, dampening, nesterov, maximize, wd)
+        assert all(torch.equal(a, b) for a, b in zip(theirs, ours)), flags
+        if momentum:
+            assert all(torch.equal(a, b) for a, b in zip(tbufs, obufs)), flags

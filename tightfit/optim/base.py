@@ -105,6 +105,7 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         self._access = StateAccess(self)  # optimizer.state[p]'s reads and writes
         self._pressure: OccupancyControl | None = None
         self._finalizer: weakref.finalize | None = None
+        self._scratch_planned: tuple[PageStore, int] | None = None  # store, pages when planned
         self._install_store(device)
         self._oom_recoveries = 0
         self._group_pages: list[list[Page]] = []
@@ -335,7 +336,9 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         if not active:
             return loss
         self._follow_device("step()")
-        upcast.plan_scratch(self._store)  # bf16/fp16 params' fp32 copies, inside the budget
+        if self._scratch_planned != (self._store, len(self._store.pages)):
+            upcast.plan_scratch(self._store)  # bf16/fp16 params' fp32 copies, inside the budget
+            self._scratch_planned = (self._store, len(self._store.pages))
         # The AMP scaler's attributes (what torch's fused kernels honour): skip on inf/NaN.
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(torch.as_tensor(found_inf).ne(0).any()):
@@ -453,7 +456,9 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
                 self._view_cache.for_step(self._step_id), self._access.orders, staged,
             )  # fmt: skip
 
-        scale = None if self._takes_grad_scale(group) else self._grad_scale
+        scale = self._grad_scale
+        if scale is not None and self._takes_grad_scale(group):
+            scale = None  # the kernel unscales
         if first.dtype in upcast.LOW_PRECISION:
             # fp32 state for bf16/fp16 params: fp32 copies of a page's worth at a time
             def done(pages: list[Page]) -> None:  # a later run raised: these stay updated

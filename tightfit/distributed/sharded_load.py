@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,13 @@ def load_sharded(
     example: Mapping[str, Any] | None,
     device: torch.device,
     reshard_after_forward: bool = True,
+    check: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """The QLoRA model of ``folder`` (a local HF causal LM, safetensors), FSDP2-sharded.
 
     Every rank calls it (a process group must exist); the RNG must be seeded as for
-    :func:`tightfit.prepare` (LoRA's initial ``A`` is drawn from it). Returns the prepared,
+    :func:`tightfit.prepare` (LoRA's initial ``A`` is drawn from it). ``check`` (the caller's
+    own refusals: sequence length, vocabulary) runs on the meta model. Returns the prepared,
     sharded model with ``model.tightfit_info``, as ``prepare`` + ``shard_model`` would.
 
     Raises:
@@ -71,6 +73,8 @@ def load_sharded(
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
     check_fsdp_model(model, options, lora)
+    if check is not None:
+        check(model)
     base_numel = sum(p.numel() for p in model.parameters())
     for p in model.parameters():
         p.requires_grad_(False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,9 @@ from torch import nn
 
 from tightfit.distributed import dcp, launch
 from tightfit.distributed.parallelize import shard_model
+from tightfit.distributed.sharded_load import load_sharded
 from tightfit.optim.dtensor import is_dtensor, local_numel
+from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.train import resume
 
 DCP_DIR = "dcp"
@@ -95,6 +98,27 @@ class TrainJob:
             return shard_model(model, "ddp")
         # The frozen base, grads and the paged optimizer state are sharded either way.
         return shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward)
+
+    def loads_shards(self, model_folder: str | None) -> bool:
+        """Whether each rank loads only its shards of the model (``--fsdp --model DIR``).
+
+        The built-in model has no weights to read: under ``--fsdp`` every rank builds it
+        from the seed and :meth:`wrap` shards it (it is tiny)."""
+        return self.strategy == "fsdp" and model_folder is not None
+
+    def load_sharded(
+        self,
+        folder: str,
+        options: PrepareOptions,
+        lora: LoraOptions | None,
+        example: dict[str, torch.Tensor],
+        check: Callable[[nn.Module], None] | None = None,
+    ) -> nn.Module:
+        """The prepared model of ``folder``, FSDP2-sharded as it loads (no rank holds the
+        whole model): :func:`tightfit.distributed.sharded_load.load_sharded`. ``check`` runs
+        on the model while it is still on the meta device, before any weight is read."""
+        return load_sharded(folder, options, lora=lora, example=example,
+                            device=self.info.device, check=check)  # fmt: skip
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous rows of a global batch."""

@@ -132,19 +132,27 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
     if saved is not None:
         _check_same_config(out, saved, flat)
         _note_schedule_horizon(saved, flat, log)
-    model = _load_model(cfg, data)
+    example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
+    runner = None
+    if job.loads_shards(t.model):  # --fsdp: each rank reads its shards, never the whole model
+        torch.manual_seed(t.seed)  # LoRA's first A, drawn as in one process
+        model = job.load_sharded(t.model, cfg.prepare, cfg.lora, example,
+                                 check=lambda meta: _check_model(meta, t, data))
+        runner = model
+    else:
+        model = _load_model(cfg, data)
     if t.model is None:
         log(builtin.RANDOM_WEIGHTS_NOTE)
     log(data.describe())
     log(data.summary["preview"])
     log(data.epochs(t.steps))
 
-    example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
-    # under torchrun the rank's own device (cuda:LOCAL_RANK), which NCCL and DDP use
-    model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example,
-                    device=job.model_device(t.device))
+    if runner is None:
+        # under torchrun the rank's own device (cuda:LOCAL_RANK), which NCCL and DDP use
+        model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example,
+                        device=job.model_device(t.device))
+        runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place: the optimizer sees shards
     info = model.tightfit_info
-    runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place; the optimizer sees shards
     o = _optimizer_options(cfg, log)
     # the target (auto: where it can act) and a watch on the model's blocks: pages leave the
     # device before a long batch's activations pass the target, on every rank
@@ -237,6 +245,12 @@ def _load_model(cfg: RunConfig, data: TrainData) -> nn.Module:
     t = cfg.train
     torch.manual_seed(t.seed)  # the built-in model's random weights come from the seed
     model = builtin.builtin_model() if t.model is None else load_causal_lm(t.model)
+    _check_model(model, t, data)
+    return model
+
+
+def _check_model(model: nn.Module, t: TrainOptions, data: TrainData) -> None:
+    """The model against the data (positions, vocabulary); the KV cache off."""
     if getattr(model, "config", None) is not None:
         # Training: a KV cache is memory for nothing, and it turns off transformers' packed
         # sequence masks (--batching pack).
@@ -254,7 +268,6 @@ def _load_model(cfg: RunConfig, data: TrainData) -> nn.Module:
         raise ValueError(
             f"{used} gives id {top} but the model's vocabulary has {vocab} entries, so it is "
             "not this model's tokenizer; pass the model's own with --tokenizer DIR.")
-    return model
 
 
 def _optimizer_options(cfg: RunConfig, log: Callable[[str], None]) -> OptimizerOptions:

@@ -9,7 +9,7 @@ foreach kernels over all segments of a sweep batch; the 8-bit variant runs bitsa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -79,15 +79,18 @@ def _lion_group(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
+    scalar: Callable[[Any], float],
 ) -> None:
+    """``scalar``: the optimizer's once-per-step reader (``HostReads.scalar``): a tensor lr
+    read per update call would be a device sync per bucket (per streamed page)."""
     beta1, beta2 = group["betas"]
     lion_update_(
         params,
         grads,
         exp_avgs,
-        lr=hyper.scalar(group["lr"]),
-        beta1=hyper.scalar(beta1),
-        beta2=hyper.scalar(beta2),
+        lr=scalar(group["lr"]),
+        beta1=scalar(beta1),
+        beta2=scalar(beta2),
         weight_decay=float(group["weight_decay"]),
         foreach=group.get("foreach") is not False,
     )
@@ -145,7 +148,7 @@ class PagedLion(PagedOptimizer):
     def _update(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
-        _lion_group(group, params, grads, states["exp_avg"])
+        _lion_group(group, params, grads, states["exp_avg"], self._host.scalar)
 
 
 class PagedLion8bit(Paged8bitOptimizer):
@@ -190,4 +193,4 @@ class PagedLion8bit(Paged8bitOptimizer):
     def _update_fp32(
         self, group: Group, params: Tensors, grads: Tensors, states: StateLists, steps: Tensors
     ) -> None:
-        _lion_group(group, params, grads, states["state1"])
+        _lion_group(group, params, grads, states["state1"], self._host.scalar)

@@ -49,6 +49,7 @@ from tightfit.optim.torch_format import (
     checked_step,
     has_state,
     replace_groups_and_steps,
+    step_counts,
 )
 from tightfit.paging.disk import describe
 from tightfit.paging.layout import Page
@@ -78,12 +79,16 @@ def _header(opt: PagedState) -> dict[str, Any]:
             {k: plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups
         ],
         "params": [[list(local_tensor(p).shape) for p in g["params"]] for g in opt.param_groups],
-        "steps": [
-            [opt.state[p]["step"].item() if has_state(opt, p) else None for p in g["params"]]
-            for g in opt.param_groups
-        ],
+        "steps": _steps(opt),
         "pages": [[p.group, str(p.dtype), p.elements, p.nbytes] for p in opt.pager.pages],
     }
+
+
+def _steps(opt: PagedState) -> list[list[float | None]]:
+    """Each param's step count (``None`` without state), read from the device at once."""
+    held = [p for g in opt.param_groups for p in g["params"] if has_state(opt, p)]
+    values = dict(zip(map(id, held), step_counts([opt.state[p]["step"] for p in held])))
+    return [[values.get(id(p)) for p in g["params"]] for g in opt.param_groups]
 
 
 def _bytes_sum(data: bytes) -> int:

@@ -124,15 +124,34 @@ def to_torch(opt: PagedState) -> dict[str, Any]:
             for name, v in values.items():
                 dst = slot.setdefault(name, torch.empty(real_numel(p), dtype=v.dtype))
                 dst[seg.start : seg.start + seg.length] = v[: seg.length]
-    for i, arrays in full.items():
+    # pack() made new entry dicts; the step is copied, never shared with the live state
+    steps = step_counts([sd["state"][i]["step"] for i in full])
+    for (i, arrays), step in zip(full.items(), steps):
         p = params[i]
         order = opt._access.order(p)
-        # pack() made new entry dicts; the step is copied, never shared with the live state
         entry = sd["state"][i]
-        entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+        entry["step"] = torch.tensor(step, dtype=torch.float32).reshape(entry["step"].shape)
         for name, flat in arrays.items():
             entry[name] = like_param(order.shaped(flat, p), p)
     return sd
+
+
+def step_counts(steps: list[torch.Tensor]) -> list[float]:
+    """The values of per-param step tensors, read with one ``tolist()`` per device: tightfit
+    keeps each param's step on its device, and a read per param would be a device sync per
+    param (issue 25 finding 12). A DTensor step is read on its own."""
+    out: list[float] = [0.0] * len(steps)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, s in enumerate(steps):
+        if type(s) is torch.Tensor and s.numel() == 1:
+            by_device.setdefault(s.device, []).append(k)
+        else:
+            out[k] = float(local_tensor(s).detach().reshape(-1)[0].item())
+    for ks in by_device.values():
+        values = torch.stack([steps[k].detach().reshape(()).double() for k in ks]).tolist()
+        for k, v in zip(ks, values):
+            out[k] = v
+    return out
 
 
 def plain_entries(entry: dict[str, Any], consumed: Any) -> dict[str, Any]:

@@ -284,6 +284,7 @@ class CudaCopyEngine(CopyEngine):
         self._staging: dict[int, PinnedBuffer] = {}
         self._timed: deque[tuple[object, object]] = deque()  # (compute arrived, copy done)
         self._staged: deque[_Staged] = deque()  # staged loads whose H2D is not queued yet
+        self._queued = False  # stream work queued since the last synchronize()
 
     def _stage(self, slot: torch.Tensor) -> torch.Tensor:
         key = slot.data_ptr()
@@ -297,6 +298,7 @@ class CudaCopyEngine(CopyEngine):
 
     def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
         self._issue_read()
+        self._queued = True
         if _pinned(home):
             self._wait_for_compute()
             with torch.cuda.stream(self.stream):
@@ -317,6 +319,7 @@ class CudaCopyEngine(CopyEngine):
         then overlaps the compute before its :meth:`wait`."""
         while self._staged and self._staged[0].task.done:
             self._staged.popleft().issue(self.stream)
+            self._queued = True
 
     def wait(self, handle: object) -> float:
         t0 = time.perf_counter()
@@ -325,6 +328,7 @@ class CudaCopyEngine(CopyEngine):
             staged.task.result()  # the read (raises a failed one)
             self._issue_read()
             staged.issue(self.stream)  # (when an earlier one is still being read)
+            self._queued = True
             event = staged.done
         else:
             event = handle[1]  # type: ignore[index]
@@ -350,6 +354,7 @@ class CudaCopyEngine(CopyEngine):
 
     def store(self, slot: torch.Tensor, home: torch.Tensor | Home) -> None:
         self._issue_read()
+        self._queued = True
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(done)
@@ -394,6 +399,7 @@ class CudaCopyEngine(CopyEngine):
         compute.wait_event(done)  # the stream the tensor was allocated on
 
     def then(self, fn: Callable[[], object]) -> CopyTask:
+        self._queued = True
         done = torch.cuda.Event()
         done.record(self.stream)
         return self._pool.submit(_wait_then, done, fn)
@@ -411,6 +417,7 @@ class CudaCopyEngine(CopyEngine):
         """Run ``copy`` on the side stream after the compute queued so far (it made the
         source, or last used the memory a fresh ``dst`` reuses); return the event after it
         and the compute stream (where the copy's device tensor was allocated)."""
+        self._queued = True
         compute = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
         ready.record(compute)
@@ -426,9 +433,15 @@ class CudaCopyEngine(CopyEngine):
         return super().drain()
 
     def synchronize(self) -> None:
+        # Nothing queued since the last one: nothing to wait for (state_dict() and save()
+        # read page after page, and each read synchronizes: one sync, not three per page).
+        # A device page the host reads is copied on the compute stream, in its order.
+        if not self._queued and not self._pending:
+            return
         self.stream.synchronize()
         super().drain()
         torch.cuda.current_stream(self.device).synchronize()
+        self._queued = False
 
     def gpu_stall_seconds(self) -> float:
         """Seconds of GPU stall not yet returned by :meth:`wait` (read once the device is

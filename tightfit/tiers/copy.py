@@ -26,7 +26,7 @@ import torch
 
 from tightfit.tiers import pinned
 from tightfit.tiers.pinned import PinnedBuffer, PinnedHost
-from tightfit.tiers.streams import copy_stream
+from tightfit.tiers.streams import copy_stream, stall_seconds, timing_event
 
 
 @runtime_checkable
@@ -303,7 +303,7 @@ class CudaCopyEngine(CopyEngine):
             self._wait_for_compute()
             with torch.cuda.stream(self.stream):
                 slot.copy_(home, non_blocking=True)
-                event = _timing_event()
+                event = timing_event()
                 event.record(self.stream)
             return ("event", event)
         staging = self._stage(slot)
@@ -333,7 +333,7 @@ class CudaCopyEngine(CopyEngine):
         else:
             event = handle[1]  # type: ignore[index]
         compute = torch.cuda.current_stream(self.device)
-        arrived = _timing_event()
+        arrived = timing_event()
         arrived.record(compute)
         # The compute stream waits on the GPU; the host does not block.
         compute.wait_event(event)
@@ -349,7 +349,7 @@ class CudaCopyEngine(CopyEngine):
             if not all_done and not (arrived.query() and done.query()):  # type: ignore[attr-defined]
                 break
             self._timed.popleft()
-            stalled += _stall_seconds(arrived, done)
+            stalled += stall_seconds(arrived, done)
         return stalled
 
     def store(self, slot: torch.Tensor, home: torch.Tensor | Home) -> None:
@@ -424,7 +424,7 @@ class CudaCopyEngine(CopyEngine):
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             copy()
-            done = _timing_event()
+            done = timing_event()
             done.record(self.stream)
         return done, compute
 
@@ -489,22 +489,9 @@ class _Staged:
         stream.wait_event(self.ready)  # type: ignore[attr-defined]
         with torch.cuda.stream(stream):
             self.slot.copy_(self.staging, non_blocking=True)
-            done = _timing_event()
+            done = timing_event()
             done.record(stream)  # type: ignore[arg-type]
         self.done = done
-
-
-def _timing_event() -> object:
-    return torch.cuda.Event(enable_timing=True)
-
-
-def _stall_seconds(arrived: object, done: object) -> float:
-    """How long after the compute stream reached a wait its copy completed (0 when the copy
-    was done first): ``elapsed_time`` of two completed timing events."""
-    elapsed = getattr(arrived, "elapsed_time", None)
-    if elapsed is None:  # events that do not time (an emulation's)
-        return 0.0
-    return max(0.0, float(elapsed(done))) / 1000.0
 
 
 def _wait_then(event: object, fn: Callable[[], object]) -> None:

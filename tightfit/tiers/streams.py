@@ -1,6 +1,7 @@
 """The copy engines' side streams: one dedicated CUDA stream per device and role.
 
-See :func:`copy_stream` for why tightfit does not draw its copy streams from torch's pool.
+See :func:`copy_stream` for why tightfit does not draw its copy streams from torch's pool;
+:func:`stall_seconds` times how long the compute stream stood waiting for a copy.
 """
 
 from __future__ import annotations
@@ -79,3 +80,17 @@ def _cuda_runtime() -> ctypes.CDLL | None:
                 runtime.cudaStreamCreateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
                 return runtime
     return None
+
+
+def timing_event() -> object:
+    """A CUDA event that records its time (``elapsed_time``)."""
+    return torch.cuda.Event(enable_timing=True)
+
+
+def stall_seconds(arrived: object, done: object) -> float:
+    """How long after the compute stream reached a wait its copy completed (0 when the copy
+    was done first): ``elapsed_time`` of two completed timing events."""
+    elapsed = getattr(arrived, "elapsed_time", None)
+    if elapsed is None:  # events that do not time (an emulation's)
+        return 0.0
+    return max(0.0, float(elapsed(done))) / 1000.0

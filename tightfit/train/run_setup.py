@@ -20,7 +20,10 @@ from torch import nn
 
 from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.optim.registry import optimizer_for, trainable_parameters
+from tightfit.planner.host import host_limit
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
+from tightfit.tiers import pinned
+from tightfit.tiers.pinned import PinnedHost
 from tightfit.train import builtin, resume, validate
 from tightfit.train.data import TrainData, load_tokenizer, load_train_data, tokenizer_folder
 from tightfit.train.job import TrainJob
@@ -133,30 +136,34 @@ def _build(cfg: RunConfig, job: TrainJob, out: Path, saved: dict[str, Any] | Non
         _check_same_config(out, saved, flat)
         _note_schedule_horizon(saved, flat, log)
     example = data.train.largest()  # the longest micro-batch: the planner plans for the worst
-    runner = None
-    if job.loads_shards(t.model):  # --fsdp: each rank reads its shards, never the whole model
-        torch.manual_seed(t.seed)  # LoRA's first A, drawn as in one process
-        model = job.load_sharded(t.model, cfg.prepare, cfg.lora, example,
-                                 check=lambda meta: _check_model(meta, t, data))
-        runner = model
-    else:
-        model = _load_model(cfg, data)
-    if t.model is None:
-        log(builtin.RANDOM_WEIGHTS_NOTE)
-    log(data.describe())
-    log(data.summary["preview"])
-    log(data.epochs(t.steps))
+    # one pinned-host budget for the offloaded activations, the optimizer's host pages and the
+    # staging buffers together: what `tightfit plan` checks (host_limit: the pinned fraction
+    # of the RAM, within the memory cgroup's limit), counted as pinned (tiers.pinned)
+    with pinned.sharing(PinnedHost(host_limit().budget)):
+        runner = None
+        if job.loads_shards(t.model):  # --fsdp: each rank reads its shards, never the whole model
+            torch.manual_seed(t.seed)  # LoRA's first A, drawn as in one process
+            model = job.load_sharded(t.model, cfg.prepare, cfg.lora, example,
+                                     check=lambda meta: _check_model(meta, t, data))
+            runner = model
+        else:
+            model = _load_model(cfg, data)
+        if t.model is None:
+            log(builtin.RANDOM_WEIGHTS_NOTE)
+        log(data.describe())
+        log(data.summary["preview"])
+        log(data.epochs(t.steps))
 
-    if runner is None:
-        # under torchrun the rank's own device (cuda:LOCAL_RANK), which NCCL and DDP use
-        model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example,
-                        device=job.model_device(t.device))
-        runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place: the optimizer sees shards
-    info = model.tightfit_info
-    o = _optimizer_options(cfg, log)
-    # the target (auto: where it can act) and a watch on the model's blocks: pages leave the
-    # device before a long batch's activations pass the target, on every rank
-    optimizer = optimizer_for(model, o)
+        if runner is None:
+            # under torchrun the rank's own device (cuda:LOCAL_RANK), which NCCL and DDP use
+            model = prepare(model, options=cfg.prepare, lora=cfg.lora, example=example,
+                            device=job.model_device(t.device))
+            runner = job.wrap(model)  # DDP wrapper or FSDP2-sharded in place: the optimizer sees shards
+        info = model.tightfit_info
+        o = _optimizer_options(cfg, log)
+        # the target (auto: where it can act) and a watch on the model's blocks: pages leave the
+        # device before a long batch's activations pass the target, on every rank
+        optimizer = optimizer_for(model, o)
     for note in info.notes:
         log(f"note: {note}")
     if info.plan is not None:

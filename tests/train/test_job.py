@@ -44,8 +44,8 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 
 
 # The whole stack (NF4 + double quant, LoRA, checkpointing, chunked loss, PagedAdamW under a
-# budget that pages) under FSDP2's default for --fsdp, ZeRO-2 (ZeRO-3 + checkpointing is
-# test_zero3_checkpoint.py). A fixed checkpoint plan instead of the budget
+# budget that pages) under --fsdp: loaded shard by shard from the safetensors, the 4-bit base
+# sharded and gathered a block at a time (ZeRO-3 for blocks with a frozen base). A fixed checkpoint plan instead of the budget
 # planner and no activation tracking keep it to ~1 s of CPU per run. No LoRA dropout: 2 ranks
 # draw other dropout masks than one process does; lr 2e-3 so that 3 steps visibly train.
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
@@ -132,6 +132,17 @@ def test_fsdp_train_resumes_in_one_process_like_an_uninterrupted_run(model_dir, 
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     moved = max((b[k] - torch.zeros_like(b[k])).abs().max().item() for k in b if "lora_B" in k)
     assert moved > 1e-3  # lora_B starts at zero: the adapters did train
+
+    # `tightfit export --merge` from the sharded run's folder: the merged model equals the
+    # one-process run's
+    merged = {}
+    for name, run in (("fsdp", sharded), ("single", single)):
+        assert main(["export", str(run), "--merge", "--dtype", "float32",
+                     "--out", str(tmp_path / f"export-{name}")]) == 0  # fmt: skip
+        merged[name] = load_file(str(next((tmp_path / f"export-{name}" / "merged")
+                                          .glob("*.safetensors"))))  # fmt: skip
+    x, y = merged["fsdp"], merged["single"]
+    assert x.keys() == y.keys() and max((x[k] - y[k]).abs().max().item() for k in x) <= 1e-5
 
 
 @pytest.mark.slow

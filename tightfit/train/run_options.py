@@ -129,14 +129,16 @@ class TrainOptions:
     )
     fsdp: bool = field(
         default=False,
-        metadata={"help": "under torchrun: shard LoRA params, grads and optimizer state with "
-                          "FSDP2 (default: DDP replicas); see docs/distributed.md"},
+        metadata={"help": "under torchrun: shard the 4-bit base, LoRA params, grads and "
+                          "optimizer state with FSDP2, loading --model shard by shard "
+                          "(default: DDP replicas); see docs/distributed.md"},
     )
     zero3: bool = field(
         default=False,
         metadata={"help": "with --fsdp: free gathered params after each block's forward (ZeRO-3; "
-                          "the checkpoint recompute gathers them again). Default ZeRO-2 keeps "
-                          "them until backward: measured ~1.3x faster for QLoRA's small adapters"},
+                          "the checkpoint recompute gathers them again). A block with a frozen "
+                          "base (QLoRA) is always ZeRO-3: its base is sharded; without one the "
+                          "default ZeRO-2 keeps them until backward"},
     )
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ FSDP2 shards gathered a block at a time; in one process it is :func:`tightfit.pr
 trains ``--steps`` steps of paged AdamW on each rank's rows of the same global batches, saves
 the resume state with DCP after ``--save-at`` steps, and writes ``result.json`` (the mean
 loss of every step; per rank: the base's bytes held, the largest gathered at once, the
-largest block's) and ``adapter.pt`` (the full LoRA params, rank 0).
+largest block's; on CUDA also the rank's ``max_memory_allocated``) and ``adapter.pt`` (the full LoRA params, rank 0).
 """
 
 from __future__ import annotations
@@ -193,7 +193,10 @@ def run(opts: QloraCheck, info: launch.DistInfo) -> dict:
         if step + 1 == opts.save_at and not opts.resume_from:
             dcp.save(os.path.join(opts.out, "saved"), model, optimizer,
                      extra={"step": step + 1}, trainable_only=True)  # fmt: skip
-    ranks = launch.gather_objects({**base_bytes(model), **seen})
+    mine = {**base_bytes(model), **seen}
+    if info.device.type == "cuda":  # the whole rank's peak: base, LoRA, state, activations
+        mine["cuda_peak"] = torch.cuda.max_memory_allocated(info.device)
+    ranks = launch.gather_objects(mine)
     adapter = _adapter(model, info)
     optimizer.close()
     result = {"options": asdict(opts), "world_size": info.world_size, "start": start,

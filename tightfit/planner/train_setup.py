@@ -82,6 +82,9 @@ class TrainSetup:
             along the flattened batch × seq tokens); ``None``: the MLP is not tiled.
         host_budget: Host bytes the step may use for offloaded activations and the paged
             optimizer's host pages (``None``: not checked).
+        resident_layers: Decoder layers whose NF4 weights stay on the device (``tightfit
+            train --resident-layers``); the others wait on the host and stream in one layer
+            ahead (:mod:`tightfit.planner.paged_weights`); ``"all"``: nothing streams.
     """
 
     seq_len: int = 2048
@@ -104,6 +107,7 @@ class TrainSetup:
     offload: OffloadName = "none"
     mlp_tile: int | None = None
     host_budget: int | None = None
+    resident_layers: int | Literal["all"] = "all"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "lora_r", "blocksize"):
@@ -171,6 +175,10 @@ class TrainSetup:
             raise ValueError("offload='inputs' moves checkpointed segments' inputs to the host, "
                              "and checkpoint='none' has none; choose a checkpoint policy (e.g. "
                              "'every') or offload='all' (stored segments' saved tensors).")
+        k = self.resident_layers
+        if k != "all" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"resident_layers must be 'all' or a number of layers >= 0, got "
+                             f"{k!r}.")
         for name in ("mlp_tile", "host_budget"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

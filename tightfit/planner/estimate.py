@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tightfit.planner.paged_weights import DQ_BLOCKSIZE, weight_placement
 from tightfit.planner.presets import ModelShape
 from tightfit.planner.train_setup import TrainSetup
 
@@ -30,7 +31,6 @@ MiB = 1024**2
 # bitsandbytes storage constants (bitsandbytes/functional.py, bitsandbytes/optim/optimizer.py)
 NF4_CODE_BYTES = 16 * 4  # the 16-entry NF4 code, fp32, one per quantized weight
 DQ_CODE_BYTES = 256 * 4  # the 8-bit dynamic map of the second-level quantization, per weight
-DQ_BLOCKSIZE = 256  # blocksize of the second-level (absmax) quantization
 OPT8_BLOCKSIZE = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
 OPT8_MIN_SIZE = 4096  # bnb keeps 32-bit state for tensors with fewer elements than this
 
@@ -208,7 +208,9 @@ class Estimate:
     ``logits_loss`` the LM head + loss share at that same moment; their sum is the
     activation peak. ``optimizer`` is what stays on the device; ``optimizer_offloaded``
     what a paged optimizer keeps on the host (and moves twice per step);
-    ``host_activations`` what offloaded segments keep on the host (moved twice per step).
+    ``host_activations`` what offloaded segments keep on the host (moved twice per step);
+    ``host_weights`` the streamed layers' NF4 weights there (``weights`` and ``constants``
+    count only what stays on the device: :mod:`tightfit.planner.paged_weights`).
     ``total`` is the device's bytes, ``host`` the host's.
     """
 
@@ -226,6 +228,7 @@ class Estimate:
     segments: tuple[Segment, ...] = field(default=())
     recompute_fraction: float = 0.0
     host_activations: int = 0
+    host_weights: int = 0
 
     PIECES = ("weights", "constants", "lora", "grads", "optimizer", "activations",
               "logits_loss", "overhead")
@@ -241,7 +244,7 @@ class Estimate:
     @property
     def host(self) -> int:
         """Host bytes of the step: offloaded activations + the optimizer's host pages."""
-        return self.host_activations + self.optimizer_offloaded
+        return self.host_activations + self.optimizer_offloaded + self.host_weights
 
     @property
     def fits_host(self) -> bool:
@@ -293,6 +296,8 @@ def estimate(
             "plan it untiled: mlp_tile=None (tightfit train: --mlp-tile none).")
     overhead = overhead or Overhead()
     weights, constants = base_weight_bytes(shape, setup)
+    placed = weight_placement(shape, setup)  # streamed layers: in flight only
+    weights, constants = weights - placed.saved_weights, constants - placed.saved_constants
     n_lora, _ = lora_param_count(shape, setup)
     lora = setup.a * n_lora
     grads = setup.a * n_lora
@@ -317,4 +322,5 @@ def estimate(
         segments=segments,
         recompute_fraction=recompute,
         host_activations=offloaded_bytes(shape, setup, segments),
+        host_weights=placed.host_bytes,
     )

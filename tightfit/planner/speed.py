@@ -8,6 +8,8 @@ forwards). On top of a plain step:
 * 4-bit / int8 matmuls cost ``QUANT_SLOWDOWN`` × the 16-bit ones (an assumption);
 * paging: the host-resident optimizer state crosses the link twice per step (in the
   optimizer step, which no compute hides);
+* paged weights: each streamed layer's NF4 weights cross the link in forward and in
+  backward, behind the layer before it (:mod:`tightfit.planner.paged_weights`);
 * offload: each offloaded byte crosses the link twice (out in forward, back in backward),
   behind compute: a segment's input is copied while the segment runs forward and brought
   back while the segment after it runs backward (a recompute + a backward ≈ 2 forwards);
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tightfit.planner.activations import layer_input_bytes, layer_saved_bytes
+from tightfit.planner.paged_weights import exposed_seconds as weights_exposed_seconds
 from tightfit.planner.train_setup import OFFLOADED, RECOMPUTED
 from tightfit.planner.work import layer_macs, step_macs
 
@@ -68,4 +71,6 @@ def slowdown(shape: ModelShape, est: Estimate, *, gpu_tflops: float = DEFAULT_GP
     step_s = step_seconds(shape, setup, gpu_tflops)
     moving = paging / (link_gbps * 1e9) + offload_exposed_seconds(
         shape, est, gpu_tflops=gpu_tflops, link_gbps=link_gbps)
+    moving += weights_exposed_seconds(shape, setup, est.segments, gpu_tflops=gpu_tflops,
+                                      link_gbps=link_gbps)
     return compute + moving / step_s, paging

@@ -28,6 +28,7 @@ from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
 from tightfit.planner.estimate import Overhead, estimate, untiled_mlp
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
+from tightfit.planner.paged_weights import fit_resident_layers
 from tightfit.planner.presets import ModelShape, load_shape, model_folder
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import PlanReport, Row
@@ -57,12 +58,15 @@ class Rung:
         setup: Its pieces (the budgets, loss chunk and MLP tile are sized per step).
         chunked: It runs the chunked LM head + loss.
         tiled: It runs the MLP in tiles.
+        paged_weights: It keeps as many layers' NF4 weights on the device as fit and streams
+            the others (:func:`~tightfit.planner.paged_weights.fit_resident_layers`).
     """
 
     name: str
     setup: TrainSetup
     chunked: bool = False
     tiled: bool = False
+    paged_weights: bool = False  # as few layers' weights stream as the step needs
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ def ladder(base: TrainSetup) -> tuple[Rung, ...]:
              tiled=True),
         Rung("long-context stack (+ paged AdamW 8-bit)",
              budget.with_(offload="inputs", optimizer="paged_adamw8bit"), chunked=True,
-             tiled=True),
+             tiled=True, paged_weights=True),
     )
 
 
@@ -195,6 +199,13 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
         setup = setup.with_(loss_chunk_tokens=auto_chunk_tokens(shape, setup, monotone=monotone))
     if rung.tiled:
         setup = setup.with_(mlp_tile=planned_mlp_tile(shape, setup))
+    if rung.paged_weights:
+        def fits(s: TrainSetup) -> bool:
+            est = estimate(shape, _fit_budgets(shape, s, sizing.usable_bytes, sizing.overhead),
+                           sizing.overhead)
+            return est.total <= sizing.usable_bytes and est.fits_host
+
+        setup = fit_resident_layers(setup, shape.layers, fits)
     return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead)
 
 

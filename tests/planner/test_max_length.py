@@ -237,7 +237,8 @@ def test_cli_max_seq_json(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows.values():
         assert r["maximum"] % 256 == 0 and r["setup"]["seq_len"] == r["maximum"]
         assert r["fits"] and r["fits_device"] and r["fits_host"] and r["limit"] == "device"
-        assert r["host_bytes"] == r["host_activation_bytes"] + r["optimizer_offloaded_bytes"]
+        assert r["host_bytes"] == (r["host_activation_bytes"] + r["optimizer_offloaded_bytes"]
+                                   + r["host_weight_bytes"])
         assert all(kind in ("stored", "checkpoint", "checkpoint_offload")
                    for _, _, kind in r["segments"])
     assert out["recommended"] == max(rows.values(), key=lambda r: r["maximum"])["name"]

@@ -15,7 +15,7 @@ from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 
 # The figures of a row in --json: null for a configuration that does not apply
 _FIGURES = ("total_bytes", "pieces_bytes", "host_bytes", "host_activation_bytes",
-            "optimizer_offloaded_bytes", "paging_bytes_per_step", "slowdown",
+            "optimizer_offloaded_bytes", "host_weight_bytes", "paging_bytes_per_step", "slowdown",
             "recompute_fraction", "checkpoint_segments", "segments")
 
 
@@ -61,6 +61,7 @@ class Row:
             "host_bytes": e.host,
             "host_activation_bytes": e.host_activations,
             "optimizer_offloaded_bytes": e.optimizer_offloaded,
+            "host_weight_bytes": e.host_weights,
             "paging_bytes_per_step": self.paging_bytes_per_step,
             "slowdown": round(self.slowdown, 3),
             "recompute_fraction": round(e.recompute_fraction, 4),

@@ -222,6 +222,9 @@ def _row_notes(r: Row, layers: int) -> list[str]:
     if e.host_activations:
         what = "layer inputs" if setup.offload == "inputs" else "activations"
         extra.append(f"{what} {format_bytes(e.host_activations)} on the host")
+    if e.host_weights:
+        extra.append(f"base weights: {setup.resident_layers}/{layers} layers resident, "
+                     f"{format_bytes(e.host_weights)} on the host")
     if setup.mlp_tile is not None:
         extra.append(f"MLP in tiles of {setup.mlp_tile} tokens")
     if setup.loss_chunk_tokens:

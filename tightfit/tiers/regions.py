@@ -63,13 +63,15 @@ class RegionPool:
         where: The place, for messages (the spill folder, "pinned host memory").
         free_chunk: ``free_chunk(index)`` gives chunk ``index`` back to its tier when the
             pool closes (``None``: the chunk's owner frees it, as the spill area does).
+        growth: A chunk after the first is at least this share of the first (fewer, larger
+            chunks when a plan underestimated); 0: exactly what the region needs.
     """
 
     def __init__(self, tier: str, make_chunk: Callable[[int, int], torch.Tensor],
                  grow_bytes: int, limit_bytes: int | None, where: str,
-                 free_chunk: Callable[[int], None] | None = None) -> None:
+                 free_chunk: Callable[[int], None] | None = None, growth: float = 0.25) -> None:
         self.tier, self.where = tier, where
-        self._make, self._free_chunk = make_chunk, free_chunk
+        self._make, self._free_chunk, self._growth = make_chunk, free_chunk, growth
         self._grow = aligned(max(grow_bytes, PAGE))
         self.limit_bytes = limit_bytes
         self._chunks: list[torch.Tensor] = []
@@ -104,7 +106,7 @@ class RegionPool:
 
     def _new_chunk(self, size: int, exact: bool = False) -> int:
         chunk = size if exact else max(size, self._grow if not self._chunks else
-                                       aligned(self._grow // 4))
+                                       aligned(int(self._grow * self._growth)))
         if self.limit_bytes is not None and self.capacity_bytes + chunk > self.limit_bytes:
             chunk = size  # a smaller chunk may still fit the budget
             if self.capacity_bytes + chunk > self.limit_bytes:
@@ -217,7 +219,10 @@ def pinned_pool(grow_bytes: int, limit_bytes: int | None, *, host: PinnedHost | 
     def free(index: int) -> None:
         buffers.pop(index).release()
 
-    return RegionPool("host", make, grow_bytes, limit_bytes, "pinned host memory", free)
+    # growth 0: a region the plan did not foresee pins what it needs, not a quarter more
+    # of the plan (locked memory the OS cannot reclaim)
+    return RegionPool("host", make, grow_bytes, limit_bytes, "pinned host memory", free,
+                      growth=0.0)
 
 
 def _free_disk(folder: str | None) -> int:

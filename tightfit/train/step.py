@@ -150,8 +150,10 @@ def _message(run: Run, step: int, micros: list[MicroBatch], what: str, *, retrie
     shapes = [tuple(m.inputs["input_ids"].shape) for m in micros]
     longest = max(s[1] for s in shapes)
     batch = ", ".join(f"{r} x {n}" for r, n in shapes)
+    info = run.job.info
     when = ("again when retried with the optimizer state off the device" if retried else
-            "(under torchrun a rank cannot retry alone)")
+            f"on rank {info.rank} of {info.world_size} (under torchrun a rank cannot retry "
+            "alone; torchrun stops the other ranks)")
     model = run.cfg.train.model or "<model folder>"
     return (
         f"out of memory in forward/backward of step {step + 1} {when}: {what}. Its batch: "

@@ -5,15 +5,18 @@ decoder layer (RMSNorm → q/k/v → rotary → SDPA → o → residual → RMSN
 residual) with a frozen base and peft LoRA adapters, plus the transients of the backward
 pass, and the LM head + cross-entropy. Symbols: T = batch × seq tokens, h hidden, i
 intermediate, q = heads × head_dim, kv = kv_heads × head_dim, d bytes of the compute dtype,
-a bytes of the adapter dtype, r LoRA rank, V vocabulary.
+a bytes of what the adapters compute in (:attr:`TrainSetup.a`: d with the default
+``lora_compute="compute_dtype"``, the fp32 masters cast to it; the adapters' own dtype with
+peft's ``"lora_dtype"``), r LoRA rank, V vocabulary.
 
 Saved per layer (frozen base: a frozen linear saves no input; only adapters do):
 
 * each RMSNorm: its input in fp32 (T·h·4; a view when d = 4) and the rsqrt (T·4) — not
   for the first layer's input norm, whose input (the frozen embedding) needs no grad;
 * the normed input of q/k/v and of gate/up, and the attention output and the SwiGLU
-  product (inputs of o and down), once when the adapters share the compute dtype, else
-  one cast copy (T·in·a) per adapter;
+  product (inputs of o and down), once when the adapters compute in the compute dtype
+  (a = d), else one cast copy (T·in·a) per adapter (peft's fp32 adapters in 16-bit
+  compute with ``lora_compute="lora_dtype"``);
 * SDPA (flash / memory-efficient kernels): q, k, v, the output, and the log-sum-exp
   (batch·heads·seq·4);
 * SwiGLU: gate, up and silu(gate) outputs (3·T·i·d);
@@ -53,6 +56,21 @@ if TYPE_CHECKING:
 # Calibrated on small Llama configs with the tracker (CPU, fp32 and bf16): see module doc.
 BWD_I = 2.0
 BWD_H16 = 2.5
+# The same fp32 gradients when the adapters compute in the 16-bit compute dtype (a = d: the
+# default lora_compute="compute_dtype", or 16-bit adapters) without dropout: the adapters'
+# own fp32 gradients are gone, the RMSNorms' remain. Measured with the tracker (bf16, CPU,
+# tiled and untiled MLPs, NF4 and unquantized bases, T = 64-1024) within -1 % .. +9 %.
+BWD_H16_A16 = 1.0
+
+
+def fp32_grad_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> float:
+    """The fp32 gradients in flight at a backward moment of 16-bit compute (0 in fp32):
+    ``BWD_H16`` · tokens·h·4 with adapters computing in fp32 (or with dropout),
+    ``BWD_H16_A16`` · tokens·h·4 when they compute in the compute dtype."""
+    if setup.d == 4:
+        return 0.0
+    same = setup.a == setup.d and setup.lora_dropout == 0
+    return (BWD_H16_A16 if same else BWD_H16) * tokens * shape.hidden * 4
 
 
 # -- per-layer terms -----------------------------------------------------------------
@@ -161,8 +179,7 @@ def tiled_mlp_backward_bytes(shape: ModelShape, setup: TrainSetup, tile: int) ->
     t, d, h = setup.tokens, setup.d, shape.hidden
     one = (mlp_saved_bytes(shape, setup, tile) + BWD_I * tile * shape.intermediate * d
            + 3 * tile * setup.lora_r * setup.a)
-    if d != 4:
-        one += BWD_H16 * tile * h * 4
+    one += fp32_grad_bytes(shape, setup, tile)
     linears = shape.linear_shapes()
     params = sum(setup.lora_r * sum(linears[n]) for n in MLP_WEIGHTS
                  if n in linears and setup.adapts(n))
@@ -174,8 +191,7 @@ def attention_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     query-gradient accumulator (T·(2q + 2kv)·d + T·q·4), plus the fp32 gradients of 16-bit
     compute. Nothing T×T: the flash / memory-efficient kernels recompute the scores."""
     t, d, q, kv = setup.tokens, setup.d, shape.q_size, shape.kv_size
-    h16 = BWD_H16 * t * shape.hidden * 4 if d != 4 else 0
-    return int(t * (2 * q + 2 * kv) * d + t * q * 4 + h16)
+    return int(t * (2 * q + 2 * kv) * d + t * q * 4 + fp32_grad_bytes(shape, setup, t))
 
 
 def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -183,7 +199,7 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
     The largest moment is inside the SwiGLU backward: ``BWD_I`` · T·i·d of gradients, plus
     the adapters' r-wide gradients. A 16-bit compute dtype adds ``BWD_H16`` · T·h·4 of fp32
-    gradients (RMSNorm and the fp32 adapters compute their gradients in fp32). A 4-bit or
+    gradients (RMSNorm, and adapters computing in fp32, make their gradients in fp32). A 4-bit or
     8-bit layer dequantizes its weight for the input gradient, beside that linear's input
     and output gradients; the larger of the moments counts.
 
@@ -192,7 +208,7 @@ def backward_transient_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     Both are counted from the code (:mod:`tightfit.checkpoint.tiling`, SDPA), not fitted.
     """
     t, d = setup.tokens, setup.d
-    h16 = BWD_H16 * t * shape.hidden * 4 if d != 4 else 0
+    h16 = fp32_grad_bytes(shape, setup, t)
     if shape.is_moe:
         moments = [expert_backward_bytes(shape, setup) + h16,
                    attention_backward_bytes(shape, setup)]
@@ -279,6 +295,11 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
     if setup.adapts("down_proj"):
         down_kept = _adapter_input_bytes(setup, ("down_proj",), i, True, t) + t * setup.lora_r * setup.a
         down += t * i * g
+        if setup.a == d:
+            # then the base's and the adapter branch's input gradients are summed into a
+            # third tensor (autograd's out-of-place accumulation): 3·T·i·d, which outgrows
+            # the dequantized weight's moment at long T (listed, bf16 NF4, T = 512)
+            down = max(down, 3 * t * i * d)
     gate_up = 2 * t * i * d + _base_input_grad(setup, h, (2 if shape.traits.fused else 1) * i, t)
     if any(setup.adapts(n) for n in ("gate_proj", "up_proj", "gate_up_proj")):
         gate_up += t * h * g
@@ -297,8 +318,8 @@ def layer_backward_bytes(shape: ModelShape, setup: TrainSetup, layer: int) -> in
     if shape.traits.norms == 4:
         moments.append(saved + GEMMA_NORM_BWD * t * h * 4)
     if shape.eager_attention:
-        h16 = BWD_H16 * t * h * 4 if d != 4 else 0
-        moments.append(saved + eager_backward_bytes(shape, setup) + h16)
+        moments.append(saved + eager_backward_bytes(shape, setup)
+                       + fp32_grad_bytes(shape, setup, t))
     return int(max(moments))
 
 
@@ -384,6 +405,16 @@ def quantized_backward_extra_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     if setup.quant == "none":
         return 0
     return setup.tokens * shape.hidden * (4 if setup.d == 4 else 8)
+
+
+def final_norm_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """The final RMSNorm's backward, beside everything saved: its input gradient (T·h·d)
+    and two fp32 T·h temporaries, or in 16-bit compute the five fp32 T·h tensors listed at
+    its peak (the upcast gradient, pow, div and two products: bf16, unquantized base,
+    T = 64; with the adapters' fp32 gradients the layers' moments hid it)."""
+    t, h = setup.tokens, shape.hidden
+    grads = t * h * setup.d + 2 * t * h * 4
+    return grads if setup.d == 4 else max(grads, 5 * t * h * 4)
 
 
 def final_norm_bytes(shape: ModelShape, setup: TrainSetup) -> int:

@@ -299,8 +299,8 @@ def estimate(
     placed = weight_placement(shape, setup)  # streamed layers: in flight only
     weights, constants = weights - placed.saved_weights, constants - placed.saved_constants
     n_lora, _ = lora_param_count(shape, setup)
-    lora = setup.a * n_lora
-    grads = setup.a * n_lora
+    lora = setup.lora_bytes * n_lora
+    grads = setup.lora_bytes * n_lora
     state = optimizer_state_bytes(shape, setup)
     resident = state
     if setup.paged and setup.optimizer_device_budget is not None:

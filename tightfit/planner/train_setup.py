@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from tightfit.checkpoint.plan import parse_policy
 from tightfit.measure.dtypes import DTYPE_BYTES, DtypeName, dtype_name
 from tightfit.planner.shapes import KNOWN_WEIGHTS, LLAMA_LINEARS
+from tightfit.qlora.lora_compute import DEFAULT_LORA_COMPUTE, LORA_COMPUTES, LoraCompute
 
 if TYPE_CHECKING:
     from tightfit.optim.optimizer_options import OptimizerKind
@@ -55,9 +56,14 @@ class TrainSetup:
             projections of each decoder layer that get adapters.
         lora_dropout: Dropout on the adapter input (> 0 saves a mask and a copy per target).
         lora_dtype: Dtype of the adapters and their gradients (``tightfit train
-            --lora-dtype``); peft keeps them in fp32 by default (``autocast_adapter_dtype``),
-            which makes each adapter save an fp32 copy of its input when the compute dtype
-            is 16-bit; the QLoRA paper's scripts keep them in bf16.
+            --lora-dtype``); peft keeps them in fp32 by default (``autocast_adapter_dtype``);
+            the QLoRA paper's scripts keep them in bf16.
+        lora_compute: What the adapters' matmuls run in (``tightfit train
+            --lora-compute``): ``"compute_dtype"`` (the default: their weights cast to the
+            compute dtype in forward, :mod:`tightfit.qlora.lora_compute`, so an adapter saves
+            the compute-dtype input the layer shares) or ``"lora_dtype"`` (peft's own: each
+            adapter casts its input to ``lora_dtype`` and saves that copy, T·in·4 bytes per
+            adapter for fp32 adapters in 16-bit compute).
         optimizer_state_dtype: Dtype of a 32-bit AdamW's two moments: ``"auto"`` is what
             the optimizer keeps (torch's ``adamw``: the adapters' dtype; ``paged_adamw``:
             float32 whatever the adapters', as bitsandbytes' ``paged_adamw_32bit``); a
@@ -97,6 +103,7 @@ class TrainSetup:
     lora_target_modules: tuple[str, ...] | Literal["all-linear"] = "all-linear"
     lora_dropout: float = 0.0
     lora_dtype: DtypeName = "float32"
+    lora_compute: LoraCompute = DEFAULT_LORA_COMPUTE
     optimizer_state_dtype: DtypeName | Literal["auto"] = "auto"
     checkpoint: str = "none"
     checkpoint_budget: int | None = None
@@ -117,6 +124,10 @@ class TrainSetup:
         for name in ("compute_dtype", "lora_dtype"):
             # a short form ("bf16") is accepted and kept under its canonical name
             object.__setattr__(self, name, dtype_name(getattr(self, name), what=name))
+        if self.lora_compute not in LORA_COMPUTES:
+            raise ValueError(f"lora_compute must be one of {', '.join(LORA_COMPUTES)}, got "
+                             f"{self.lora_compute!r}; compute_dtype runs the adapters' matmuls "
+                             "in the compute dtype, lora_dtype in the adapters' own.")
         if self.quant not in ("none", "int8", "nf4"):
             raise ValueError(f"quant must be 'none', 'int8' or 'nf4', got {self.quant!r}.")
         self._check_optimizer()
@@ -199,14 +210,21 @@ class TrainSetup:
 
     @property
     def a(self) -> int:
-        """Bytes per element of the adapters."""
+        """Bytes per element of what the adapters compute in, and so of what they save for
+        backward: the compute dtype's with ``lora_compute="compute_dtype"``, else the
+        adapters' own (their parameters and gradients: :attr:`lora_bytes`)."""
+        return self.d if self.lora_compute == "compute_dtype" else self.lora_bytes
+
+    @property
+    def lora_bytes(self) -> int:
+        """Bytes per element of the adapters' parameters and gradients (``lora_dtype``)."""
         return DTYPE_BYTES[self.lora_dtype]
 
     @property
     def state_bytes(self) -> int:
         """Bytes per element of a 32-bit AdamW's moments (torch's AdamW: the adapters'
         dtype; the paged AdamW: fp32)."""
-        return 4 if self.optimizer == "paged_adamw" else self.a
+        return 4 if self.optimizer == "paged_adamw" else self.lora_bytes
 
     @property
     def state_dtype(self) -> str:

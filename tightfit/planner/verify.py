@@ -95,14 +95,16 @@ def _worst_case_routing(model: nn.Module) -> None:
 
 def _lora_options(setup: TrainSetup) -> LoraOptions:
     return LoraOptions(r=setup.lora_r, alpha=2 * setup.lora_r, dropout=setup.lora_dropout,
-                       target_modules=setup.lora_target_modules, dtype=setup.lora_dtype)
+                       target_modules=setup.lora_target_modules, dtype=setup.lora_dtype,
+                       compute=setup.lora_compute)
 
 
 def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Module:
     """A random-weight model of ``shape``'s family with the pieces of ``setup`` stacked.
 
     Built by :func:`tightfit.prepare` (NF4 ± double quantization through bitsandbytes, MoE
-    experts in NF4 per expert, peft LoRA in the setup's adapter dtype, the chunked loss;
+    experts in NF4 per expert, peft LoRA in the setup's adapter dtype computing as its
+    ``lora_compute`` says, the chunked loss;
     MoE routers zeroed: every token at the same experts, the worst case),
     the way ``tightfit train`` builds it; int8 weights, which ``prepare`` does not offer,
     are stacked here with bitsandbytes / peft directly.
@@ -139,6 +141,10 @@ def _stack_int8(model: nn.Module, setup: TrainSetup) -> nn.Module:
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = p.data.to(torch_dtype(setup.lora_dtype))
+    if setup.lora_compute == "compute_dtype":  # as prepare() does
+        from tightfit.qlora.lora_compute import compute_in_compute_dtype
+
+        compute_in_compute_dtype(model, torch_dtype(setup.compute_dtype))
     if setup.loss_chunk_tokens is not None:
         from tightfit.loss import enable_chunked_loss
 

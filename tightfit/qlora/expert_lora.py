@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from peft import LoraConfig
 from peft.tuners.lora.layer import ParamWrapper as _PeftParamWrapper
 from torch import nn
@@ -33,7 +34,14 @@ class ParamWrapper(_PeftParamWrapper):
 
     The class keeps peft's name on purpose: peft recognises the wrappers it nests (one per
     adapted weight of a module) by the class name ``"ParamWrapper"``.
+
+    ``lora_compute_dtype`` (set by :func:`tightfit.qlora.lora_compute.compute_in_compute_dtype`):
+    the dtype the adapters' matmuls run in, their stacked factors cast to it once per
+    forward (autograd takes the gradients back to the fp32 parameters); ``None``: the
+    adapters' own dtype, the experts' input cast to it (as peft's linears do).
     """
+
+    lora_compute_dtype: torch.dtype | None = None
 
     def __init__(
         self, base_layer: nn.Module, adapter_name: str, parameter_name: str,
@@ -64,8 +72,8 @@ class ParamWrapper(_PeftParamWrapper):
     @contextmanager
     def _activate_lora(self, active_adapters: list[str]) -> Iterator[None]:
         factors = [
-            ExpertLora(self.lora_A[a].weight, self.lora_B[a].weight, float(self.scaling[a]),
-                       self.lora_dropout[a])
+            ExpertLora(self._factor(self.lora_A[a].weight), self._factor(self.lora_B[a].weight),
+                       float(self.scaling[a]), self.lora_dropout[a])
             for a in active_adapters if a in self.lora_A
         ]
         base = self.get_base_layer()
@@ -74,6 +82,10 @@ class ParamWrapper(_PeftParamWrapper):
             yield
         finally:
             set_expert_lora(base, self.parameter_name, None)
+
+    def _factor(self, weight: torch.Tensor) -> torch.Tensor:
+        dtype = self.lora_compute_dtype
+        return weight if dtype is None or weight.dtype == dtype else weight.to(dtype)
 
     def _refuse_merge(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(

@@ -254,7 +254,7 @@ def _change(
         blocksize=options.blocksize, compute_dtype=info.compute_dtype, device=dev,
         train_base=lora_opts is None and options.quant is None)  # fmt: skip
     if lora_opts is not None:
-        model = _add_lora(model, lora_opts, targets, expert_targets)
+        model = _add_lora(model, lora_opts, targets, expert_targets, info.compute_dtype)
     info.notes += coverage_notes(model, quantized=options.quant is not None,
                                  adapted=lora_opts is not None)
     if options.resident_layers != "all":  # before the plan: it sees the room paging leaves
@@ -318,15 +318,18 @@ def _take_model(model_or_path: nn.Module | str | os.PathLike[str]) -> nn.Module:
 
 
 def _add_lora(
-    model: nn.Module, lora: LoraOptions, targets: list[str], expert_targets: list[str]
+    model: nn.Module, lora: LoraOptions, targets: list[str], expert_targets: list[str],
+    compute_dtype: torch.dtype,
 ) -> nn.Module:
     """``model`` wrapped by peft with LoRA adapters on the layers ``targets`` and the MoE
-    expert weights ``expert_targets`` (peft's parameter targets)."""
+    expert weights ``expert_targets`` (peft's parameter targets), their matmuls in
+    ``compute_dtype`` unless ``lora.compute`` says the adapters' own dtype."""
     # peft (and expert_lora, which subclasses its layer) cost seconds to import: only when
     # adapters are added, so `import tightfit.qlora.prepare` stays quick for the planner
     from peft import LoraConfig, get_peft_model
 
     from tightfit.qlora.expert_lora import custom_modules
+    from tightfit.qlora.lora_compute import compute_in_compute_dtype
 
     cfg = LoraConfig(
         r=lora.r,
@@ -347,13 +350,15 @@ def _add_lora(
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         # fp32 adapters by default (peft's autocast_adapter_dtype); a 16-bit lora.dtype as
         # the QLoRA paper's scripts (peft makes them fp32 beside a 4-bit base: cast here)
-        if lora.dtype == "float32":
-            return get_peft_model(model, cfg)
-        peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
-    dtype = torch_dtype(lora.dtype)
-    for name, p in peft_model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.to(dtype)
+        peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=lora.dtype == "float32")
+    if lora.dtype != "float32":
+        dtype = torch_dtype(lora.dtype)
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(dtype)
+    if lora.compute == "compute_dtype":
+        # the matmuls in the compute dtype on the master weights (lora_compute's docstring)
+        compute_in_compute_dtype(peft_model, compute_dtype)
     return peft_model
 
 

@@ -14,6 +14,7 @@ import torch
 
 from tightfit.checkpoint.plan import OFFLOADS, OffloadMode
 from tightfit.measure.dtypes import DtypeName, dtype_name, torch_dtype
+from tightfit.qlora.lora_compute import DEFAULT_LORA_COMPUTE, LORA_COMPUTES, LoraCompute
 from tightfit.qlora.paged_base import check_resident_layers
 
 QuantKind = Literal["nf4", "fp4"]
@@ -46,6 +47,14 @@ class LoraOptions:
                           "upcast), or bfloat16/float16 as the QLoRA paper's scripts keep them "
                           "(halves their bytes; the optimizer decides its state's dtype)"},
     )
+    compute: LoraCompute = field(
+        default=DEFAULT_LORA_COMPUTE,
+        metadata={"help": "what the LoRA matmuls run in: compute_dtype (the adapters cast to "
+                          "the compute dtype in forward, their gradients and optimizer state "
+                          "kept in lora_dtype: saves no copy of any adapter input) or "
+                          "lora_dtype (peft's default: each adapter casts its input to "
+                          "lora_dtype and keeps that copy for backward)"},
+    )
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -61,6 +70,10 @@ class LoraOptions:
             raise ValueError("LoRA target_modules is empty; pass 'all-linear' or module names.")
         # a short form ("bf16") is accepted and kept under its canonical name
         object.__setattr__(self, "dtype", dtype_name(self.dtype, what="LoRA dtype"))
+        if self.compute not in LORA_COMPUTES:
+            raise ValueError(f"LoRA compute must be one of {', '.join(LORA_COMPUTES)}, got "
+                             f"{self.compute!r}; compute_dtype runs the adapters' matmuls in "
+                             "the model's compute dtype, lora_dtype in the adapters' own.")
 
     @classmethod
     def coerce(cls, value: LoraOptions | Mapping[str, Any] | None) -> LoraOptions | None:

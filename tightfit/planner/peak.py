@@ -22,6 +22,7 @@ from tightfit.checkpoint.plan import (
 )
 from tightfit.planner.activations import (
     backward_transient_bytes,
+    final_norm_backward_bytes,
     final_norm_bytes,
     head_loss_bytes,
     int8_held_bytes,
@@ -99,7 +100,7 @@ def _terms(shape: ModelShape, setup: TrainSetup) -> _Terms:
         extra=quantized_backward_extra_bytes(shape, setup),
         inputs=recompute_inputs_bytes(shape, setup),
         final_norm=final_norm_bytes(shape, setup),
-        norm_grads=t * h * setup.d + 2 * t * h * 4,
+        norm_grads=final_norm_backward_bytes(shape, setup),
     )
 
 

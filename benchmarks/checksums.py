@@ -1,16 +1,17 @@
 """What the disk tier's checksums cost: candidates on 8 MiB pages, and paged steps with them on/off.
 
 1. Candidates, per 8 MiB page, from RAM larger than the caches (as a step sees pages): a bare
-   copy, XXH3-64 after the copy, ``copy_and_checksum`` (what the pager does: 256 KiB chunks
-   copied, each hashed while in cache, one thread), the striped copy it replaced (4 MiB
-   stripes copied, then hashed, on two threads), zlib's CRC-32 and a torch ``int64`` sum; and
-   XXH3-64 in cache.
+   copy, XXH3-64 after the copy, ``copy_and_checksum`` (what the pager does: 4 MiB stripes on
+   the copy worker and the hash pool, each copied in 256 KiB chunks, each chunk hashed while in
+   cache), the same on one thread, the striped torch copy before both (4 MiB stripes copied,
+   then hashed, on two threads), zlib's CRC-32 and a torch ``int64`` sum; and XXH3-64 in cache.
 2. PagedAdamW at 50 % and 10 % resident (``benchmarks/optimizer.py``'s setup: one 50M-param
-   tensor, 8 MiB pages), four modes round-robin in one process: *on* (the pager as it is),
-   *off* (the same chunked copy with the hashing taken out), *before* (the striped copy and
-   hash this replaced) and *before off* (a plain torch copy: the earlier figures' "off"). The
-   modes swap the pager's copy and hash functions inside this script only; there is no such
-   option.
+   tensor, 8 MiB pages), six modes round-robin in one process: *on* (the pager as it is),
+   *off* (the same striped, chunked copy with the hashing taken out), *single* and *single
+   off* (the chunked copy and hash on the copy worker alone, which *on* replaced, with and
+   without the hash), *before* (the striped torch copy and hash *single* replaced) and *before
+   off* (a plain torch copy: the earlier figures' "off"). The modes swap the pager's copy and
+   hash functions inside this script only; there is no such option.
    Wall time and process CPU time per step (CPU time is less disturbed by other work on a
    shared machine). Here the spill files stay in the page cache, so a "disk" copy runs at RAM
    speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed at
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from tightfit.integrity import checksums  # noqa: E402
-from tightfit.integrity.checksums import CHUNK, checksum, copy_and_checksum  # noqa: E402
+from tightfit.integrity.checksums import CHUNK, STRIPE, checksum, copy_and_checksum  # noqa: E402
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
 from tightfit.paging import disk  # noqa: E402
 
@@ -78,8 +79,9 @@ def candidates(pages: int, rounds: int) -> list[str]:
     ways: dict[str, Callable[[torch.Tensor], object]] = {
         "copy only (torch, 1 thread)": lambda s: dst.copy_(s),
         "copy, then XXH3-64 of the copy": lambda s: (dst.copy_(s), checksum(dst)),
-        "copy_and_checksum (256 KiB chunks, each hashed after its copy, 1 thread)":
+        "copy_and_checksum (4 MiB stripes on 2 threads, 256 KiB chunks hashed after copy)":
             lambda s: copy_and_checksum(dst, s),
+        "the same on the copy worker alone (mode single)": lambda s: _single(dst, s),
         "chunked copy alone (copy_and_checksum without the hash)": lambda s: _off(dst, s),
         "before: 4 MiB stripes on 2 threads, each hashed after its copy": lambda s: _before(dst, s),
         "XXH3-64 alone": checksum,
@@ -103,17 +105,38 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _chunked(dst: np.ndarray, src: np.ndarray, stripe: slice) -> int:
+    """One stripe copied :data:`CHUNK` by chunk, unhashed: the modes without a hash."""
+    for x in range(stripe.start, stripe.stop, CHUNK):
+        np.copyto(dst[x : min(x + CHUNK, stripe.stop)], src[x : min(x + CHUNK, stripe.stop)])
+    return 0
+
+
 def _off(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """``copy_and_checksum``'s copy with the hashing taken out (mode *off*)."""
+    """``copy_and_checksum``'s copy with the hashing taken out (mode *off*): the same
+    stripes, chunk by chunk, on the copy worker and the hash pool."""
     d, s = dst.numpy(), src.numpy()
-    for x in range(0, d.size, CHUNK):
-        np.copyto(d[x : x + CHUNK], s[x : x + CHUNK])
+    checksums._striped(d.size, lambda st: _chunked(d, s, st))
+    return 0  # not the combination of the stripes' zeros, which is not 0
+
+
+def _single(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """The copy-pass hash on the copy worker alone (mode *single*, commit b71e87e to 3862237):
+    every stripe copied chunk by chunk, each chunk hashed in cache, on the calling thread."""
+    d, s = dst.numpy(), src.numpy()
+    return checksums._combine([checksums._copy_stripe(d, s, memoryview(d), slice(a, min(
+        a + STRIPE, d.size))) for a in range(0, max(d.size, 1), STRIPE)])  # fmt: skip
+
+
+def _single_off(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Mode *single* without the hash: the chunked copy on the calling thread alone."""
+    _chunked(dst.numpy(), src.numpy(), slice(0, dst.numel()))
     return 0
 
 
 def _before(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """The copy and hash this replaced (mode *before*): 4 MiB stripes, each copied by torch
-    then hashed, the copy worker and the hash pool taking stripes in turn."""
+    """The copy and hash of commit 3c8118b and before (mode *before*): 4 MiB stripes, each
+    copied by torch then hashed, the copy worker and the hash pool taking stripes in turn."""
 
     def one(s: slice) -> int:
         out = dst[s]
@@ -129,15 +152,19 @@ def _before_off(dst: torch.Tensor, src: torch.Tensor) -> int:
 
 
 FRACTIONS = {"50% resident": 0.5, "10% resident": 0.1}
+_NONE = (lambda t: 0, lambda nbytes: 0)  # page_checksum, zeros_checksum of the unhashed modes
 # mode -> (page_checksum, copy_and_checksum, zeros_checksum) the pager's disk tier uses
 MODES = {
     "on": (disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum),
-    "off": (lambda t: 0, _off, lambda nbytes: 0),
+    "off": (_NONE[0], _off, _NONE[1]),
+    "single": (disk.page_checksum, _single, disk.zeros_checksum),
+    "single off": (_NONE[0], _single_off, _NONE[1]),
     "before": (disk.page_checksum, _before, disk.zeros_checksum),
-    "before off": (lambda t: 0, _before_off, lambda nbytes: 0),
+    "before off": (_NONE[0], _before_off, _NONE[1]),
 }
-PAIRS = {"on / off": ("on", "off"), "before / before off": ("before", "before off"),
-         "on / before off": ("on", "before off"), "on / before": ("on", "before")}  # fmt: skip
+PAIRS = {"on / off": ("on", "off"), "single / single off": ("single", "single off"),
+         "before / before off": ("before", "before off"), "on / before off": ("on", "before off"),
+         "on / single": ("on", "single"), "on / before": ("on", "before")}  # fmt: skip
 
 
 def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[str, float]]:
@@ -192,15 +219,15 @@ def table(res: dict[str, dict[str, float]], speed: float | None) -> list[str]:
     for label, f in res.items():
         rows.append(f"| {label} | {f['hashed'] / MIB:.0f} |" + "".join(
             f" {f[f'wall {m}'] * 1e3:.1f} | {f[f'cpu {m}'] * 1e3:.1f} |" for m in MODES))
+    over = ["on / off", "single / single off", "before / before off"]  # hashed / same unhashed
     head = "| residency |" + "".join(f" {p} |" for p in PAIRS) + (
-        " floor | on / off over the floor | before / before off over the floor |" if speed else "")
+        " floor |" + "".join(f" {p} over the floor |" for p in over) if speed else "")
     rows += ["", head, "|---" * (head.count("|") - 1) + "|"]
     for label, f in res.items():
         row = f"| {label} |" + "".join(f" {f[p] * 100:+.1f}% |" for p in PAIRS)
         if speed:
             floor = f["hashed"] / speed / f["cpu off"]
-            row += (f" +{floor * 100:.1f}% | {f['on / off'] / floor:.2f} x | "
-                    f"{f['before / before off'] / floor:.2f} x |")
+            row += f" +{floor * 100:.1f}% |" + "".join(f" {f[p] / floor:.2f} x |" for p in over)
         rows.append(row)
     return rows
 
@@ -278,9 +305,11 @@ def main() -> int:
         "Every streamed page is verified when it is read in and hashed when it is written back:",
         "2 x the non-resident bytes per step. The spill files fit in the page cache, so these",
         "copies run at RAM speed. Modes, round-robin in one process: *on* the pager as it is",
-        "(256 KiB chunks copied and hashed in cache on the copy worker), *off* the same copy",
-        "without the hash, *before* the striped copy and hash this replaced (4 MiB stripes on two",
-        "threads), *before off* a plain torch copy (the earlier figures' off).",
+        "(4 MiB stripes on the copy worker and the hash pool, each copied 256 KiB by 256 KiB",
+        "and hashed in cache), *off* the same copy without the hash, *single* the same copy and",
+        "hash on the copy worker alone (b71e87e..3862237), *single off* that without the hash,",
+        "*before* the copy and hash before that (4 MiB stripes on two threads, each copied by",
+        "torch, then hashed), *before off* a plain torch copy (the earlier figures' off).",
         "*floor*: the MiB hashed at the in-cache speed above, as a share of the off step's CPU",
         "time — the least any hash of every byte costs here. Ratios: the median over rounds of",
         "(one mode's step / the other's step of the same round) - 1; the target is on / off at",

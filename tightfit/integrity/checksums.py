@@ -6,10 +6,10 @@ measured speed (``benchmarks/results/checksums.md``): ~10 GiB/s per core on page
 and ~27-45 GiB/s in cache on the 2-core build machine, 3-4 x zlib's CRC-32; a torch ``int64`` sum
 is a little faster but order-blind (two opposite bit flips cancel). A disk page's checksum is
 that of its :data:`STRIPE` stripes' digests (:func:`page_checksum`, stripes hashed on several
-threads when the page is only read). The sweep's copies (:func:`copy_and_checksum`, on the copy
-worker) hash in the copy pass itself: each :data:`CHUNK` is copied, then hashed while it is
-still in the core's cache, so the hash never reads RAM again; the copies release the GIL and so
-does XXH3, so all of it overlaps the update.
+threads when the page is only read). The sweep's copies (:func:`copy_and_checksum`, its stripes
+on the copy worker and the hash pool) hash in the copy pass itself: each :data:`CHUNK` is
+copied, then hashed while it is still in the core's cache, so the hash never reads RAM again;
+the copies release the GIL and so does XXH3, so all of it overlaps the update.
 """
 
 from __future__ import annotations
@@ -77,7 +77,11 @@ if hasattr(os, "register_at_fork"):  # a forked child has the pool's objects, no
 
 def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
     """Run ``one`` on every :data:`STRIPE` of a page of ``nbytes`` bytes, the calling thread
-    and the hash pool taking stripes in turn, and combine the stripes' digests in order."""
+    and the hash pool taking stripes in turn, and combine the stripes' digests in order.
+
+    A helper that has not started when the caller has taken the last stripe is cancelled, not
+    waited for: with copies on several threads at once (two optimizers, an offloader) the pool
+    may be busy with another page's stripe, and this page is already done."""
     stripes = [slice(a, min(a + STRIPE, nbytes)) for a in range(0, max(nbytes, 1), STRIPE)]
     if len(stripes) == 1:
         return one(stripes[0])
@@ -93,8 +97,11 @@ def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
     try:
         run()
     finally:  # never return, nor raise, while a helper still touches the buffers
-        wait(helpers)
-    for h in helpers:
+        # a helper not yet started would find no stripe left: cancelled, it never runs (and
+        # wait() would block on it until a pool thread dequeued it, so it is not waited for)
+        started = [h for h in helpers if not h.cancel()]
+        wait(started)
+    for h in started:
         h.result()  # a helper's exception is the caller's
     return _combine(digests)
 
@@ -119,34 +126,35 @@ def _combine(digests: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
 
 
+def _copy_stripe(dst: np.ndarray, src: np.ndarray, landed: memoryview, stripe: slice) -> int:
+    """Copy one stripe :data:`CHUNK` by chunk, feeding each chunk as it landed in ``dst`` to
+    the stripe's streaming XXH3 while it is in cache; the stripe's :func:`checksum`."""
+    h = xxhash.xxh3_64()  # streaming: the same digest as xxh3_64 of the whole stripe
+    for x in range(stripe.start, stripe.stop, CHUNK):
+        y = min(x + CHUNK, stripe.stop)
+        np.copyto(dst[x:y], src[x:y])
+        h.update(landed[x:y])
+    return h.intdigest()
+
+
 def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
     """Copy ``src`` into ``dst``; return the :func:`page_checksum` of what landed in ``dst``.
 
-    Both are contiguous uint8 CPU tensors of one size. One pass over the bytes, on the calling
-    thread (the copy worker): each :data:`CHUNK` is copied (numpy's copy, which releases the
-    GIL), then fed to its stripe's streaming XXH3 from ``dst`` while it is still in the core's
-    cache, so hashing costs XXH3's in-cache speed and no second read of RAM; the stripes'
-    digests combine as :func:`page_checksum` does. Measured against the striped copy on two
-    threads this replaced (``benchmarks/results/checksums.md``, a loaded 2-core machine): a
-    paged step's extra time fell from +21 % / +35 % to +16 % / +8 % (50 % / 10 % resident;
-    floor +9 % / +14 %), as the second thread only competed with the update for the cores.
+    Both are contiguous uint8 CPU tensors of one size. One pass over the bytes: each
+    :data:`STRIPE` is copied :data:`CHUNK` by chunk (numpy's copy, which releases the GIL),
+    each chunk fed to its stripe's streaming XXH3 from ``dst`` while it is still in the core's
+    cache, so hashing costs XXH3's in-cache speed and no second read of RAM; the stripes go to
+    the calling thread (the copy worker) and the hash pool in turn, as :func:`page_checksum`'s
+    do, and their digests combine as there. Spreading the stripes keeps a page's faults on
+    the spill map in parallel (two stripes read from disk at once when the file is not in the
+    page cache); in the page cache a helper that is late finds no stripe left and costs
+    nothing (``benchmarks/results/checksums.md`` has both).
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_and_checksum: {dst.numel()} bytes to {src.numel()}")
     _check_bytes(dst), _check_bytes(src)
     d, s = dst.numpy(), src.numpy()
-    landed = memoryview(d)
-    n = d.size
-    digests = []
-    for a in range(0, max(n, 1), STRIPE):
-        b = min(a + STRIPE, n)
-        h = xxhash.xxh3_64()  # streaming: the same digest as xxh3_64 of the whole stripe
-        for x in range(a, b, CHUNK):
-            y = min(x + CHUNK, b)
-            np.copyto(d[x:y], s[x:y])
-            h.update(landed[x:y])
-        digests.append(h.intdigest())
-    return _combine(digests)
+    return _striped(d.size, functools.partial(_copy_stripe, d, s, memoryview(d)))
 
 
 @functools.cache

@@ -14,8 +14,9 @@ Three promises (``docs/paging.md``, "Failure and integrity"):
   tier; the bytes are never used. A write that failed marks the page lost, so a later read
   says so instead of returning stale state.
 
-The sweep's copies run on the copy worker through :class:`DiskHome` (the worker hashes while
-the update runs); the store's moves between steps use :func:`read` and :func:`write`.
+The sweep's copies run on the copy worker through :class:`DiskHome`, a page's stripes shared
+with the hash pool (copied and hashed while the update runs, and faulted in from the spill file
+on two threads at once); the store's moves between steps use :func:`read` and :func:`write`.
 """
 
 from __future__ import annotations

@@ -231,6 +231,7 @@ def plan(
     lora_target_modules: tuple[str, ...] | str = _LORA.target_modules,
     lora_dropout: float = _LORA.dropout,
     lora_dtype: str = _LORA.dtype,
+    lora_compute: str = _LORA.compute,
     compute_dtype: str = "bfloat16",
     overhead: str | int = "1GiB",
     slack: float = 0.05,
@@ -258,6 +259,8 @@ def plan(
             included) or projection names.
         lora_dropout: Dropout on the adapters' input.
         lora_dtype: The adapters' dtype (``"bfloat16"``: the QLoRA paper's scripts).
+        lora_compute: What the adapters' matmuls run in: ``"compute_dtype"`` (their
+            weights cast to it) or ``"lora_dtype"`` (peft's: the input cast to theirs).
         compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or ``"bf16"``, ...).
         overhead: Fixed device memory that is not tensors (CUDA context, workspaces).
         slack: Allocator slack, a fraction of the tensor bytes.
@@ -289,7 +292,8 @@ def plan(
     base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch_size=batch_size,
                       lora_r=lora_r, lora_target_modules=lora_target_modules,
                       lora_dropout=lora_dropout,
-                      lora_dtype=lora_dtype, compute_dtype=compute_dtype)
+                      lora_dtype=lora_dtype, lora_compute=lora_compute,  # type: ignore[arg-type]
+                      compute_dtype=compute_dtype)
     rows, best = _rows(ladder(base), sizing, maximize, granularity)
     return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
                       _notes(sizing, maximize, granularity), host=sizing.host,

@@ -42,6 +42,7 @@ import re
 
 from tightfit.measure.dtypes import DTYPE_NAMES, SHORT_NAMES
 from tightfit.planner.shapes import KNOWN_WEIGHTS
+from tightfit.qlora.lora_compute import LORA_COMPUTES
 
 _VERIFY_MAX_PARAMS = 60_000_000
 
@@ -79,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-dtype", default=d["lora_dtype"], choices=dtypes,
                         help="dtype of the adapters: float32 (peft's default) or bfloat16 as the "
                         f"QLoRA paper's scripts (default: {d['lora_dtype']})")
+    parser.add_argument("--lora-compute", default=d["lora_compute"],
+                        choices=LORA_COMPUTES,
+                        help="what the adapters' matmuls run in: compute_dtype (their weights "
+                        "cast to it: no copy of their inputs saved) or lora_dtype (peft's: each "
+                        f"input cast to the adapters' dtype and saved) (default: "
+                        f"{d['lora_compute']})")
     parser.add_argument("--compute-dtype", default=d["compute_dtype"], choices=dtypes,
                         help="compute dtype; the short forms bf16, fp16, fp32 also work "
                         f"(default: {d['compute_dtype']})")
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.gpu, seq_len=args.seq_len, batch_size=args.batch_size,
         lora_r=args.lora_r, lora_target_modules=_targets(args.lora_target_modules),
         lora_dropout=args.lora_dropout, lora_dtype=args.lora_dtype,
-        compute_dtype=args.compute_dtype,
+        lora_compute=args.lora_compute, compute_dtype=args.compute_dtype,
         margin=DEFAULT_MARGIN if args.margin is None else args.margin,
         overhead=args.overhead, slack=args.slack, gpu_tflops=args.gpu_tflops,
         link_gbps=args.link_gbps, host_ram=args.host_ram, pinned_fraction=args.pinned_fraction,

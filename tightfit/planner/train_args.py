@@ -46,7 +46,7 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
     if setup.quant == "nf4":
         args.append("--double-quant" if setup.double_quant else "--no-double-quant")
     args += ["--lora-r", str(setup.lora_r), "--lora-dropout", f"{setup.lora_dropout:g}",
-             "--lora-dtype", setup.lora_dtype]
+             "--lora-dtype", setup.lora_dtype, "--lora-compute", setup.lora_compute]
     if setup.lora_target_modules != "all-linear":
         args += ["--lora-target-modules", ",".join(setup.lora_target_modules)]
     args += ["--checkpoint", setup.checkpoint]

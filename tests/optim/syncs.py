@@ -1,48 +1,48 @@
-"""Counting host reads of tensor values: what synchronizes a GPU.
+"""Counting a paged step's host syncs under the strict CUDA emulation.
 
-On CUDA, ``.item()``, ``.tolist()``, ``float(t)``, a tensor passed where a number is expected
-(``value=t``) block the host until the device has caught up. On the CPU nothing waits, but
-the same calls happen, so counting them here shows what a GPU step would sync: every
-``aten._local_scalar_dense`` (``.item()`` and the implicit conversions) and every
-``Tensor.tolist()`` (which reads without dispatching).
+On CUDA, ``.item()``, ``.tolist()``, ``float(t)``, a tensor passed where a number is expected,
+``synchronize()`` and blocking copies hold the host until the device has caught up. The
+strict emulation (``tests/tiers/strict_cuda.py``, fixture ``strict_cuda``) counts each of
+them by kind on the test's threads (``StrictCuda.syncs``); here a paged optimizer is built as
+on an accelerator (CUDA's copy engine, one buffer per page, pinned host pages) and its steps
+are counted one by one.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
+
+from tightfit.tiers.copy import CudaCopyEngine
+
+from ..tiers.counting import count_copies
+from ..tiers.strict_cuda import StrictCuda
 
 
-class HostReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense`` calls while active (``count``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+def as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paged optimizers made from now on build their store as on CUDA (its copy engine)."""
+    count_copies(monkeypatch, CudaCopyEngine, emulate_accelerator=True)
 
 
-@contextlib.contextmanager
-def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Inside: host reads are counted; yields a one-element list holding the count at exit."""
-    tolists = [0]
-    tolist = torch.Tensor.tolist
+def syncs_of(emu: StrictCuda, fn: Callable[[], object]) -> Counter[str]:
+    """The host syncs ``fn()`` makes, by kind."""
+    before = Counter(emu.syncs)
+    fn()
+    return Counter(emu.syncs) - before
 
-    def counted(self: torch.Tensor):  # noqa: ANN202
-        tolists[0] += 1
-        return tolist(self)
 
-    out = [0]
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "tolist", counted)
-        with HostReads() as mode:
-            yield out
-    out[0] = mode.count + tolists[0]
+def step_syncs(emu: StrictCuda, opt: torch.optim.Optimizer, params: Iterable[nn.Parameter],
+               gen: torch.Generator, steps: int = 3) -> list[int]:
+    """The host syncs of each of ``steps`` steps (all kinds), fresh random grads before each
+    (set outside the count)."""
+    params = list(params)
+    out = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        out.append(sum(syncs_of(emu, opt.step).values()))
+    return out

@@ -25,10 +25,11 @@ device stays the CPU. What it does, as CUDA and torch do it:
 * **host syncs** (:attr:`StrictCuda.syncs`, by kind): ``.item()`` and the implicit
   conversions, ``.tolist()``, data-dependent shapes (``nonzero``, ``equal``...),
   ``torch.cuda.synchronize``, a stream's or an event's ``synchronize``, and blocking copies
-  (``.cpu()``/``.numpy()`` of a device tensor, a ``copy_`` between pinned host memory and the
+  (``.cpu()``/``.numpy()`` of a device tensor, a ``copy_`` between host memory and the
   device without ``non_blocking``). Only the test's threads count (a copy worker that waits
-  for an event blocks no compute); every tensor made under the emulation is a device tensor
-  (step counts included), the "pinned" ones excepted.
+  for an event blocks no compute). A device tensor is one made under the emulation by an op
+  or ``torch.empty`` of the test's threads (step counts included), the "pinned" ones
+  excepted; host memory is pinned buffers and memory made otherwise (a spill map).
 
 Violations are collected in :attr:`StrictCuda.violations` (the fixture fails a test that
 leaves any). "Pinned" buffers are CPU tensors remembered as pinned and not tracked (the host
@@ -305,11 +306,14 @@ class StrictCuda(TorchDispatchMode):
         return sum(self.syncs.values())
 
     def is_device(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is on the emulated device: every CPU tensor but the pinned ones."""
+        """Whether ``t`` is on the emulated device: its storage was made under the emulation,
+        by an op or ``torch.empty`` of the test's threads, and is not pinned. Host memory made
+        otherwise (``torch.frombuffer`` over a spill map, a pinned buffer) is not."""
         try:
-            return t.untyped_storage().data_ptr() not in self.pinned
+            st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse): not a plain read
             return False
+        return st.data_ptr() not in self.pinned and id(st) in self._live
 
     # -- storages ----------------------------------------------------------------------
     def _info(self, t: torch.Tensor, new_ok: bool, stream: Stream, label: str) -> _Storage | None:
@@ -378,8 +382,7 @@ class StrictCuda(TorchDispatchMode):
         return out
 
     def _count_blocking_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        pinned = [t.untyped_storage().data_ptr() in self.pinned for t in (dst, src)]
-        if pinned[0] != pinned[1]:
+        if self.is_device(dst) != self.is_device(src):  # host <-> device
             self.count_sync("blocking copy")
 
     def _track(self, func: Any, args: tuple, kwargs: dict, out: Any, stream: Stream) -> None:

@@ -1,4 +1,6 @@
-"""What a (tiled) Llama-family MLP allocates in one forward + backward, predicted from shapes.
+"""What a (tiled) Llama-family MLP allocates in one forward + backward, predicted from shapes
+(a tiled Phi-3 fused ``gate_up_proj`` MLP too: ``fused=True``; MoE experts are not modelled
+here: the planner counts them, :mod:`tightfit.planner.moe`).
 
 The figures are what :class:`~tightfit.measure.tracker.MemoryTracker` counts around
 ``y = mlp(x); y.backward(g)``: bytes above the input, its gradient and the weights, with the
@@ -83,6 +85,29 @@ _UNTILED_SAVED: dict[_Kind, tuple[float, float, float]] = {
     ("frozen", True, False, 4): (16, 0, 12), ("frozen", True, False, 2): (10, 8, 12),
     ("frozen", True, True, 4): (20, 16, 12), ("frozen", True, True, 2): (14, 16, 12),
 }
+# Phi-3's fused MLP (one gate_up_proj, its output split into gate and up), tiled: the fused
+# output stays alive while the activation and the product are made, and the 4-bit moment
+# dequantizes gate_up (H × 2I). Fitted on the same kind of grid (H 64/128, I 224/352, N
+# 256/384, tiles 64-128; the 4-bit moment on H 192/256, I 384/512, tiles 32-64); untiled
+# fused MLPs are not modelled.
+_FUSED_TILE_FWD: dict[_Kind, tuple[float, float]] = {
+    ("trainable", False, False, 4): (16, 0), ("trainable", False, False, 2): (8, 0),
+    ("frozen", False, False, 4): (16, 0), ("frozen", False, False, 2): (8, 0),
+    ("frozen", True, False, 4): (24, 0), ("frozen", True, False, 2): (20, 4),
+    ("frozen", True, True, 4): (24, 0), ("frozen", True, True, 2): (20, 4),
+}
+_FUSED_TILE_BWD: dict[_Kind, tuple[float, float, float]] = {
+    ("trainable", False, False, 4): (23.75, 5.25, 5.75),
+    ("trainable", False, False, 2): (12, 2.5, 4.75),
+    ("frozen", False, False, 4): (24, 8, 0), ("frozen", False, False, 2): (12, 4, 0),
+    ("frozen", True, False, 4): (24, 8.25, 5.5), ("frozen", True, False, 2): (20, 8.25, 5.5),
+    ("frozen", True, True, 4): (24.25, 24.25, 4), ("frozen", True, True, 2): (20.25, 20.25, 4),
+}
+_FUSED_DEQUANT_BWD: dict[tuple[bool, bool, int], tuple[float, float, float]] = {
+    (False, False, 4): (8, 12, 0), (False, False, 2): (4, 4, 0),
+    (True, False, 4): (8, 16, 8), (True, False, 2): (4, 6, 8),
+    (True, True, 4): (8, 16, 8), (True, True, 2): (4, 6, 8),
+}
 _ACCUMULATOR = 4  # fp32 bytes per trainable parameter, summing tile grads from the 2nd tile
 _DEQUANT_FP32 = 4  # bitsandbytes dequantizes to fp32 (the weights' dtype when quantized)
 
@@ -107,8 +132,11 @@ class MLPBytes:
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
 
-def lora_params(hidden: int, intermediate: int, rank: int) -> int:
-    """Elements of rank-``rank`` LoRA factors on gate, up and down: ``3·r·(H + I)``."""
+def lora_params(hidden: int, intermediate: int, rank: int, *, fused: bool = False) -> int:
+    """Elements of rank-``rank`` LoRA factors on gate, up and down: ``3·r·(H + I)``; on a
+    fused gate_up and down: ``r·(2H + 3I)``."""
+    if fused:
+        return rank * (2 * hidden + 3 * intermediate)
     return 3 * rank * (hidden + intermediate)
 
 
@@ -137,7 +165,7 @@ def _check(tokens: int, hidden: int, intermediate: int, tile: int | None, dtype:
 
 def predict_mlp_bytes(tokens: int, hidden: int, intermediate: int, dtype: torch.dtype, *,
                       tile: int | None = None, lora_rank: int = 0, lora_dropout: float = 0.0,
-                      base: Base = "frozen") -> MLPBytes:
+                      base: Base = "frozen", fused: bool = False) -> MLPBytes:
     """Predict the bytes one MLP forward + backward allocates, tiled or not.
 
     Args:
@@ -150,15 +178,20 @@ def predict_mlp_bytes(tokens: int, hidden: int, intermediate: int, dtype: torch.
         lora_dropout: The adapters' dropout probability.
         base: ``"trainable"`` (the projections are trained), ``"frozen"`` or ``"4bit"``
             (frozen bitsandbytes NF4/FP4 weights).
+        fused: Phi-3's MLP (one ``gate_up_proj`` of ``2I`` outputs and ``down_proj``,
+            :mod:`tightfit.checkpoint.mlp_kinds`), tiled only.
 
     Raises:
         ValueError: A shape, dtype or option out of range, or a combination not modelled.
     """
     _check(tokens, hidden, intermediate, tile, dtype, lora_rank, lora_dropout, base)
+    if fused and tile is None:
+        raise ValueError("an untiled fused gate_up MLP is not modelled; pass tile=<tokens> "
+                         "(a tiled one is) or fused=False for a gate/up/down MLP.")
     d = dtype.itemsize
     kind = ("trainable" if base == "trainable" else "frozen", lora_rank > 0, lora_dropout > 0, d)
     n, h, i = tokens, hidden, intermediate
-    params = 3 * h * i if base == "trainable" else lora_params(h, i, lora_rank)
+    params = 3 * h * i if base == "trainable" else lora_params(h, i, lora_rank, fused=fused)
     if tile is None:
         f_i, f_h = _UNTILED_FWD[kind]
         b_i, b_h, b_p = _UNTILED_BWD[kind]
@@ -168,23 +201,25 @@ def predict_mlp_bytes(tokens: int, hidden: int, intermediate: int, dtype: torch.
                         math.ceil(n * (b_i * i + b_h * h) + b_p * params))
     first = min(tile, n)
     later = min(tile, n - tile)  # the largest tile after the first (≤ 0: there is none)
-    f_i, f_h = _TILE_FWD[kind]
+    f_i, f_h = (_FUSED_TILE_FWD if fused else _TILE_FWD)[kind]
     forward = first * (f_i * i + f_h * h)  # the first tile runs before the output exists
     if later > 0:
         forward = max(forward, n * h * d + later * (f_i * i + f_h * h))
-    backward = _tile_backward(kind, base, first, h, i, params) - _ACCUMULATOR * params
+    backward = _tile_backward(kind, base, first, h, i, params, fused) - _ACCUMULATOR * params
     if later > 0:
-        backward = max(backward, _tile_backward(kind, base, later, h, i, params))
+        backward = max(backward, _tile_backward(kind, base, later, h, i, params, fused))
     return MLPBytes(0, math.ceil(forward), math.ceil(2 * n * h * d + backward))
 
 
-def _tile_backward(kind: _Kind, base: str, t: int, h: int, i: int, params: int) -> float:
+def _tile_backward(kind: _Kind, base: str, t: int, h: int, i: int, params: int,
+                   fused: bool = False) -> float:
     """One recomputed tile of ``t`` tokens and its backward, accumulators included."""
-    b_i, b_h, b_p = _TILE_BWD[kind]
+    b_i, b_h, b_p = (_FUSED_TILE_BWD if fused else _TILE_BWD)[kind]
     peak = t * (b_i * i + b_h * h) + b_p * params
     if base == "4bit":
         d = kind[3]
-        q_i, q_h, q_p = _DEQUANT_BWD[kind[1:]]
-        dequant = h * i * (_DEQUANT_FP32 + (d if d != _DEQUANT_FP32 else 0))
+        q_i, q_h, q_p = (_FUSED_DEQUANT_BWD if fused else _DEQUANT_BWD)[kind[1:]]
+        # the largest weight dequantized: gate_up's H × 2I when fused, else one H × I
+        dequant = (2 if fused else 1) * h * i * (_DEQUANT_FP32 + (d if d != _DEQUANT_FP32 else 0))
         peak = max(peak, dequant + t * (q_i * i + q_h * h) + q_p * params)
     return peak

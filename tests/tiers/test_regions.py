@@ -57,6 +57,29 @@ def test_a_new_chunk_when_full_and_the_budget_binds() -> None:
     assert pool.chunks_made == 2  # the refusal changed nothing
 
 
+def test_reserve_grows_by_what_is_missing_and_close_frees_every_chunk() -> None:
+    freed: list[int] = []
+    made: list[int] = []
+
+    def make(index: int, nbytes: int) -> torch.Tensor:
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    pool = RegionPool("host", make, 2 * PAGE, 8 * PAGE, "test memory", freed.append,
+                      growth=0.0)
+    pool.take(2 * PAGE)  # the first chunk
+    pool.reserve(5 * PAGE)  # 3 pages missing: one chunk of exactly that
+    assert made == [2 * PAGE, 3 * PAGE]
+    assert [pool.take(PAGE).chunk for _ in range(3)] == [1, 1, 1]  # no new chunk
+    pool.take(PAGE)  # growth 0: a chunk of just what the region needs
+    assert made[-1] == PAGE
+    with pytest.raises(TierFullError, match="would pass its budget"):
+        pool.reserve(9 * PAGE)
+    assert pool.chunks_made == 3  # refused whole
+    pool.close()
+    assert freed == [0, 1, 2]
+
+
 def test_disk_pool_reserves_its_file_and_names_a_full_disk(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     spill = SpillArea(tmp_path)
     pool = disk_pool(spill, 64 * PAGE, None)

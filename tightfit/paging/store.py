@@ -177,14 +177,22 @@ class PageStore:
         """Pin the host room the plan needs before any page moves (``TierFullError`` naming the
         budget, the room and the fix, with nothing moved): a region for every page that will be
         on the host, and for those there now (freed only as they move)."""
-        need = sum(aligned(p.nbytes) for p, t in zip(self.pages, tiers)
-                   if "host" in (t, p.tier))
-        if need and not self.on_cpu:
-            self._host_tier().reserve(need)
+        if self.on_cpu:
+            return
+        host = [p for p, t in zip(self.pages, tiers) if "host" in (t, p.tier)]
+        if host:
+            pool = self._host_tier()
+            pool.reserve(sum(self._region_bytes(p) for p in host))
+
+    def _region_bytes(self, page: Page) -> int:
+        """Every host page takes a region of one size, a whole page's (pages hold at most
+        ``page_bytes``): chunks reserved in multiples of it never fragment, so a reserved plan
+        always finds its regions (a last, smaller page wastes the rest)."""
+        return max(aligned(self.page_bytes), aligned(page.nbytes))
 
     def _host_tier(self) -> RegionPool:
         if self._host_pool is None:
-            self._host_pool = pinned_pool(self.page_bytes, None, host=self.pinned,
+            self._host_pool = pinned_pool(aligned(self.page_bytes), None, host=self.pinned,
                                           what="optimizer host pages",
                                           device=None if self._emulated else self.device)
         return self._host_pool
@@ -284,10 +292,10 @@ class PageStore:
             self._count_device(nbytes)
             return buf
         assert page is not None  # a host page: a region of the pinned chunks
-        region = self._host_tier().take(nbytes)
+        region = self._host_tier().take(self._region_bytes(page))
         self._host_regions[page.index] = region
         self.host_bytes += nbytes
-        return region.view
+        return region.view[:nbytes]
 
     def _release(self, tier: str, nbytes: int, page: Page | None = None) -> None:
         if tier == "device":

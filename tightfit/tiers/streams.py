@@ -77,7 +77,8 @@ def _cuda_runtime() -> ctypes.CDLL | None:
             with contextlib.suppress(OSError, AttributeError):
                 runtime = ctypes.CDLL(path)
                 runtime.cudaStreamCreateWithFlags.restype = ctypes.c_int
-                runtime.cudaStreamCreateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+                runtime.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                                              ctypes.c_uint]
                 return runtime
     return None
 

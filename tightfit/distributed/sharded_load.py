@@ -32,6 +32,7 @@ from torch import nn
 
 from tightfit.distributed.parallelize import shard_model
 from tightfit.optim.dtensor import is_dtensor, local_tensor
+from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import expert_modules
 from tightfit.qlora.prepare import PrepareInfo, plan_step
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
@@ -99,6 +100,8 @@ def load_sharded(
     info = PrepareInfo(options, lora, device, cdtype, quantized=quantized, adapted=adapted,
                        base_numel=base_numel)  # fmt: skip
     info.loss_chunks = options.loss_chunks
+    info.notes += coverage_notes(model, quantized=options.quant is not None,
+                                 adapted=lora is not None)  # fmt: skip
     plan_step(model, info, example)
     model.tightfit_info = info  # type: ignore[assignment]
     return model

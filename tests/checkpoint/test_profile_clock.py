@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tightfit.checkpoint as ck
 from tightfit.checkpoint.selective import SAVED_OPS
 
-profile_mod = importlib.import_module("tightfit.checkpoint.profile")  # the package's profile() shadows it
+# the package's profile() function shadows the module's name
+profile_mod = importlib.import_module("tightfit.checkpoint.profile")
 
 pytestmark = pytest.mark.filterwarnings("ignore:tightfit.checkpoint")
 

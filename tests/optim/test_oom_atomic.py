@@ -1,6 +1,6 @@
-"""The non-fused Adam paths (foreach, single tensor), PagedLion and PagedSGD (every path) keep the sweep's rule "an update that
-raised changed nothing": an out-of-memory error at any allocation inside the update leaves
-params and moments as they were, so the retry applies the update once.
+"""The non-fused Adam paths (foreach, single tensor), PagedLion and PagedSGD (every path) keep
+the sweep's rule "an update that raised changed nothing": an out-of-memory error at any
+allocation inside the update leaves params and state as they were, so the retry applies the update once.
 
 torch's own foreach/single-tensor Adam scales the params and updates the moments in place
 before it allocates the denominator (``_foreach_sqrt``, ``exp_avg_sq.sqrt()``); an error

@@ -301,11 +301,12 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
         Returns:
             ``device_bytes``, ``host_bytes``, ``disk_bytes``, ``peak_device_bytes``,
             ``state_bytes``, ``resident_bytes``, ``window_bytes``, ``scratch_bytes``,
-            ``bytes_paged_in``, ``bytes_paged_out``, ``page_faults``, ``stall_seconds``, ``pages``, ``page_bytes``,
-            ``device_budget``, ``host_budget``, ``spill_dir``, ``evict_events``,
-            ``restore_events``, ``oom_recoveries``; with a target also ``target_bytes``,
-            ``probe_peak_bytes``, ``evictions``, ``restores``, ``evicted_bytes``,
-            ``restored_bytes``, ``over_target_reads`` (and ``watch_*`` while watching).
+            ``bytes_paged_in``, ``bytes_paged_out``, ``page_faults``, ``stall_seconds``,
+            ``pages``, ``page_bytes``, ``device_budget``, ``host_budget``, ``spill_dir``,
+            ``evict_events``, ``restore_events``, ``oom_recoveries``; with a target also
+            ``target_bytes``, ``probe_peak_bytes``, ``evictions``, ``restores``,
+            ``evicted_bytes``, ``restored_bytes``, ``over_target_reads`` (and ``watch_*``
+            while watching).
         """
         return {
             **self._store.stats(),
@@ -456,9 +457,8 @@ class PagedOptimizer(GroupLayout, TorchAPI, torch.optim.Optimizer):
                 self._view_cache.for_step(self._step_id), self._access.orders, staged,
             )  # fmt: skip
 
-        scale = self._grad_scale
-        if scale is not None and self._takes_grad_scale(group):
-            scale = None  # the kernel unscales
+        scale = self._grad_scale  # None when the kernel unscales itself:
+        scale = None if scale is None or self._takes_grad_scale(group) else scale
         if first.dtype in upcast.LOW_PRECISION:
             # fp32 state for bf16/fp16 params: fp32 copies of a page's worth at a time
             def done(pages: list[Page]) -> None:  # a later run raised: these stay updated

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tightfit.measure.dtypes import DTYPE_BYTES
+
 if TYPE_CHECKING:
     from tightfit.planner.shapes import ModelShape
     from tightfit.planner.train_setup import TrainSetup
@@ -41,11 +43,24 @@ ROUTE_PAIR = 32
 ROUTE_TOKEN = 68
 
 
+def _route_bytes(shape: ModelShape, tokens: int) -> int:
+    """What the router saves for ``tokens`` tokens (its fp32 softmax, top-k values and indices)."""
+    return tokens * (4 * shape.experts + ROUTE_TOKEN)
+
+
+def tiled_expert_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
+    """What one MoE MLP saves with its experts tiled (:mod:`tightfit.checkpoint.tiling`):
+    the router's (it runs untiled) and the tiled experts' inputs, the hidden states (T·h·d),
+    each token's top-k indices (int64) and routing weights (fp32 at most)."""
+    k = shape.experts_per_token
+    return _route_bytes(shape, tokens) + tokens * (shape.hidden * setup.d + k * (8 + 4))
+
+
 def expert_saved_bytes(shape: ModelShape, setup: TrainSetup, tokens: int) -> int:
     """What one MoE MLP (experts + router) saves for ``tokens`` tokens."""
     h, i, d = shape.hidden, shape.intermediate, setup.d
     pairs = tokens * shape.experts_per_token
-    total = tokens * (4 * shape.experts + ROUTE_TOKEN) + pairs * ROUTE_PAIR
+    total = _route_bytes(shape, tokens) + pairs * ROUTE_PAIR
     gate_up, down = setup.adapts("gate_up_proj"), setup.adapts("down_proj")
     if setup.quant == "none":
         total += pairs * (3 * i + h) * d
@@ -87,10 +102,20 @@ def expert_moments(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
     expert's adapters (full-size, E·r·(3I + 2h)·a), the gate/up output's gradient (2·T·I·d),
     the input gradients (2·T·h·d) and the expert's gate/up weight dequantized (2I·h·d).
     """
-    t, h, i, d, a, r = (setup.tokens, shape.hidden, shape.intermediate, setup.d, setup.a,
-                        setup.lora_r)
+    if setup.mlp_tile is not None:
+        return _tiled_moments(shape, setup)
+    return _moments(shape, setup, setup.tokens)
+
+
+def _moments(shape: ModelShape, setup: TrainSetup, t: int, *, live_tokens: int | None = None,
+             minus_share: bool = True) -> tuple[int, int]:
+    """:func:`expert_moments` for ``t`` tokens at the experts (``live_tokens``: the layer's
+    own, default ``t``); ``minus_share``: the last expert's saved tensors are in the layer's saved
+    bytes (untiled), so its moments count only what is beyond them."""
+    h, i, d, a, r = shape.hidden, shape.intermediate, setup.d, setup.a, setup.lora_r
+    n = t if live_tokens is None else live_tokens
     gu, dn = setup.adapts("gate_up_proj"), setup.adapts("down_proj")
-    share = t * _pair_bytes(shape, setup)  # the last expert's saved tensors
+    share = t * _pair_bytes(shape, setup) if minus_share else 0  # the last expert's saved tensors
     idx = 2 * t * 8  # its token and slot indices (int64)
 
     def project(width: int, adapted: bool) -> int:
@@ -101,12 +126,52 @@ def expert_moments(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
             + project(h, dn))
     # the residual, the normed input and the output accumulator; in fp32 the residual is
     # the post-attention norm's saved input itself (no cast), already counted
-    live = (3 if d != 4 else 2) * t * h * d
+    live = (3 if d != 4 else 2) * n * h * d
     forward = live - share + max(gate_up, down)
     slices = shape.experts * r * a * ((h + 2 * i if gu else 0) + (i + h if dn else 0))
     backward = (-share + slices + 2 * t * i * d + 2 * t * h * d
                 + t * shape.experts_per_token * 4 + 2 * i * h * d)
     return forward, backward
+
+
+def expert_lora_params(shape: ModelShape, setup: TrainSetup) -> int:
+    """LoRA elements on one layer's experts (peft's parameter LoRA: rank r per expert)."""
+    h, i, r, e = shape.hidden, shape.intermediate, setup.lora_r, shape.experts
+    return e * r * ((h + 2 * i if setup.adapts("gate_up_proj") else 0)
+                    + (i + h if setup.adapts("down_proj") else 0))
+
+
+def _tiled_held(shape: ModelShape, setup: TrainSetup, *, tile_grads: bool = True) -> int:
+    """What a tiled experts call holds in backward besides its tile, from the second tile
+    on (:class:`~tightfit.checkpoint.tiled_function.TiledMLPFunction`): the gradients of
+    all its inputs (the hidden states, T·h·d, and the routing weights, T·k·4) and the
+    experts' adapter gradients, an fp32 sum over the tiles beside one tile's
+    (``tile_grads=False``: the tile's are counted elsewhere)."""
+    t, k = setup.tokens, shape.experts_per_token
+    per = 4 + (DTYPE_BYTES[setup.lora_dtype] if tile_grads else 0)
+    return t * shape.hidden * setup.d + t * k * 4 + expert_lora_params(shape, setup) * per
+
+
+def _tile_pairs_bytes(shape: ModelShape, setup: TrainSetup) -> int:
+    """What one recomputed tile of the experts saves (its routed pairs' tensors)."""
+    pairs = setup.mlp_tile_tokens * shape.experts_per_token
+    if setup.quant == "none":
+        return pairs * ((3 * shape.intermediate + shape.hidden) * setup.d + ROUTE_PAIR)
+    return pairs * (_pair_bytes(shape, setup) + ROUTE_PAIR)
+
+
+def _tiled_moments(shape: ModelShape, setup: TrainSetup) -> tuple[int, int]:
+    """:func:`expert_moments` with the experts tiled: the recomputed forward runs each tile
+    without grad (nothing saved, the tiles' output buffer of T·h·d beside it); the backward
+    peaks at a tile's last expert, the tile's saved tensors and what the call holds
+    (:func:`_tiled_held`) beside it."""
+    u = setup.mlp_tile_tokens
+    forward, backward = _moments(shape, setup, u, live_tokens=setup.tokens,
+                                  minus_share=False)
+    forward += setup.tokens * shape.hidden * setup.d
+    backward += _tile_pairs_bytes(shape, setup) - u * _pair_bytes(shape, setup)
+    # (the tile's adapter gradient slices are in _moments' backward)
+    return forward, backward + _tiled_held(shape, setup, tile_grads=False)
 
 
 def expert_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
@@ -120,7 +185,15 @@ def expert_backward_bytes(shape: ModelShape, setup: TrainSetup) -> int:
     backward (:func:`tightfit.planner.activations.attention_backward_bytes`) is the other
     moment of a MoE layer.
     """
-    t, h, i, d = setup.tokens, shape.hidden, shape.intermediate, setup.d
+    if setup.mlp_tile is not None:  # one tile's experts, its saved tensors, what the call holds
+        return (_expert_backward(shape, setup, setup.mlp_tile_tokens)
+                + _tile_pairs_bytes(shape, setup) + _tiled_held(shape, setup))
+    return _expert_backward(shape, setup, setup.tokens)
+
+
+def _expert_backward(shape: ModelShape, setup: TrainSetup, t: int) -> int:
+    """:func:`expert_backward_bytes` for ``t`` tokens at one expert."""
+    h, i, d = shape.hidden, shape.intermediate, setup.d
     lora = setup.adapts("gate_up_proj") or setup.adapts("down_proj")
     if setup.quant == "none":
         return (shape.experts * i * h * d + 2 * t * i * d) if lora else t * i * d

@@ -107,3 +107,21 @@ def test_the_emulation_rounds_and_caches_as_torch_does(strict_pinned) -> None:  
     del b
     torch.accelerator.empty_host_cache()
     assert strict_pinned.pinned_bytes == 0
+
+
+def test_release_syncs_before_unlocking_and_the_emulation_sees_when_not(strict_cuda, strict_pinned) -> None:  # noqa: F811, E501
+    from tightfit.tiers.copy import CudaCopyEngine
+
+    engine = CudaCopyEngine(torch.device("cpu"))
+    slot = torch.zeros(MiB, dtype=torch.uint8)
+    buf = PinnedHost().pin(MiB, "test")
+    engine.wait(engine.load(buf.tensor, slot))  # an H2D from it, still queued on the stream
+    rt = torch.cuda.cudart()
+    rt.cudaHostUnregister(buf.tensor.untyped_storage().data_ptr())  # no sync first: caught
+    assert any("while a stream may still copy" in v for v in strict_pinned.violations)
+    strict_pinned.violations.clear()
+    strict_pinned.register(buf.tensor.untyped_storage().data_ptr(), buf.pinned_bytes, 1)
+    engine.wait(engine.load(buf.tensor, slot))
+    buf.release()  # PinnedHost.release synchronizes the device first: no violation
+    assert strict_pinned.violations == [] and strict_pinned.registered == {}
+    engine.close()

@@ -101,5 +101,10 @@ def test_disk_pages_stage_through_counted_buffers_released_on_close(accelerator)
     staged = emu.pinned_bytes - store.host_pinned_bytes()
     assert staged == sum(aligned(s.numel()) for s in store.slots)  # one per window slot
     assert store.pinned.by_user["staging buffers"] == staged
+    registered, registrations = dict(emu.registered), emu.registrations
+    for limit in (3 * PAGE, 2 * PAGE):  # re-plans: new slots, the same staging buffers
+        store.limit_device(limit, "test: re-plan")
+        _step(opt, params)
+    assert emu.registered == registered and emu.registrations == registrations  # no re-locking
     opt.close()
     assert emu.pinned_bytes == 0

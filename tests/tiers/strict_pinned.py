@@ -66,6 +66,7 @@ class StrictPinned:
     fail_register: int = 0
     peak_pinned_bytes: int = 0
     requests: list[int] = field(default_factory=list)  # torch allocator request sizes
+    registrations: int = 0  # successful cudaHostRegister calls
     _ptrs: set[int] = field(default_factory=set)
 
     @property
@@ -113,6 +114,7 @@ class StrictPinned:
         if any(p <= ptr < p + n for p, n in self.registered.items()):
             self.violations.append(f"cudaHostRegister of {ptr:#x}: already registered")
         self.registered[ptr] = int(size)
+        self.registrations += 1
         self._mark(ptr)
         self._peak()
         return _CudaError.success

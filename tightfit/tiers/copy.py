@@ -26,7 +26,7 @@ import torch
 
 from tightfit.tiers import pinned
 from tightfit.tiers.pinned import PinnedBuffer, PinnedHost
-from tightfit.tiers.streams import copy_stream, stall_seconds, timing_event
+from tightfit.tiers.streams import StagedLoad, copy_stream, stall_seconds, timing_event
 
 
 @runtime_checkable
@@ -282,8 +282,9 @@ class CudaCopyEngine(CopyEngine):
         self.stream = copy_stream(device, stream_name)
         self.host = host if host is not None else pinned.current()
         self._staging: dict[int, PinnedBuffer] = {}
+        self._spare: list[PinnedBuffer] = []  # staging buffers of freed slots, for the next
         self._timed: deque[tuple[object, object]] = deque()  # (compute arrived, copy done)
-        self._staged: deque[_Staged] = deque()  # staged loads whose H2D is not queued yet
+        self._staged: deque[StagedLoad] = deque()  # staged loads whose H2D is not queued yet
         self._queued = False  # stream work queued since the last synchronize()
 
     def _stage(self, slot: torch.Tensor) -> torch.Tensor:
@@ -291,8 +292,13 @@ class CudaCopyEngine(CopyEngine):
         buf = self._staging.get(key)
         if buf is None or buf.nbytes < slot.numel():
             if buf is not None:
-                buf.release()
-            buf = self.host.pin(slot.numel(), "staging buffers", self.device)
+                self._spare.append(buf)
+            fits = [b for b in self._spare if b.nbytes >= slot.numel()]
+            if fits:  # a re-plan's new slot reuses one (page-locking costs milliseconds)
+                buf = min(fits, key=lambda b: b.nbytes)
+                self._spare.remove(buf)
+            else:
+                buf = self.host.pin(slot.numel(), "staging buffers", self.device)
             self._staging[key] = buf
         return buf.tensor[: slot.numel()]
 
@@ -309,7 +315,7 @@ class CudaCopyEngine(CopyEngine):
         staging = self._stage(slot)
         ready = torch.cuda.Event()  # the compute queued so far (the slot's last use) comes first
         ready.record(torch.cuda.current_stream(self.device))
-        staged = _Staged(self._pool.submit(read_home, home, staging), staging, slot, ready)
+        staged = StagedLoad(self._pool.submit(read_home, home, staging), staging, slot, ready)
         self._staged.append(staged)
         return ("staged", staged)
 
@@ -449,14 +455,20 @@ class CudaCopyEngine(CopyEngine):
         return self._gpu_stalls(all_done=True)
 
     def _release_staging(self) -> None:
-        buffers, self._staging = list(self._staging.values()), {}
+        buffers = [*self._staging.values(), *self._spare]
+        self._staging, self._spare = {}, []
         for buf in buffers:  # PinnedHost.release synchronizes the device first
             buf.release()
 
     def slots_freed(self) -> None:
-        # staging buffers are keyed by slot address: new slots get new ones, so unlock these
-        # rather than keep one set per re-plan
-        self._release_staging()
+        # staging buffers are keyed by slot address: the new plan's slots take these spares
+        # (as many as the window has slots); the rest are unlocked
+        spare = [*self._staging.values(), *self._spare]
+        self._staging = {}
+        spare.sort(key=lambda b: -b.nbytes)
+        self._spare = spare[:_KEPT_STAGING]
+        for buf in spare[_KEPT_STAGING:]:
+            buf.release()
 
     def close(self) -> None:
         # a load still in flight on the side stream (a step that failed) must land before
@@ -472,26 +484,7 @@ class CudaCopyEngine(CopyEngine):
                 self._release_staging()
 
 
-class _Staged:
-    """A staged load: the worker's read into ``staging``, then (once) the H2D into ``slot``
-    on the side stream after ``ready`` (the compute that last used the slot)."""
-
-    __slots__ = ("task", "staging", "slot", "ready", "done")
-
-    def __init__(self, task: CopyTask, staging: torch.Tensor, slot: torch.Tensor,
-                 ready: object) -> None:
-        self.task, self.staging, self.slot, self.ready = task, staging, slot, ready
-        self.done: object | None = None
-
-    def issue(self, stream: object) -> None:
-        if self.done is not None or self.task.error is not None:
-            return  # queued already; a failed read is raised by its wait()
-        stream.wait_event(self.ready)  # type: ignore[attr-defined]
-        with torch.cuda.stream(stream):
-            self.slot.copy_(self.staging, non_blocking=True)
-            done = timing_event()
-            done.record(stream)  # type: ignore[arg-type]
-        self.done = done
+_KEPT_STAGING = 2  # spare staging buffers kept across a re-plan: the streaming window's slots
 
 
 def _wait_then(event: object, fn: Callable[[], object]) -> None:

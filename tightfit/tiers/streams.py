@@ -1,7 +1,8 @@
 """The copy engines' side streams: one dedicated CUDA stream per device and role.
 
 See :func:`copy_stream` for why tightfit does not draw its copy streams from torch's pool;
-:func:`stall_seconds` times how long the compute stream stood waiting for a copy.
+:func:`stall_seconds` times how long the compute stream stood waiting for a copy;
+:class:`StagedLoad` is a staged (disk) load whose H2D goes on a side stream once its read lands.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -95,3 +97,25 @@ def stall_seconds(arrived: object, done: object) -> float:
     if elapsed is None:  # events that do not time (an emulation's)
         return 0.0
     return max(0.0, float(elapsed(done))) / 1000.0
+
+
+class StagedLoad:
+    """A staged load: the worker's read into ``staging``, then (once) the H2D into ``slot``
+    on the side stream after ``ready`` (the compute that last used the slot)."""
+
+    __slots__ = ("task", "staging", "slot", "ready", "done")
+
+    def __init__(self, task: Any, staging: torch.Tensor, slot: torch.Tensor,  # task: CopyTask
+                 ready: object) -> None:
+        self.task, self.staging, self.slot, self.ready = task, staging, slot, ready
+        self.done: object | None = None
+
+    def issue(self, stream: object) -> None:
+        if self.done is not None or self.task.error is not None:
+            return  # queued already; a failed read is raised by its wait()
+        stream.wait_event(self.ready)  # type: ignore[attr-defined]
+        with torch.cuda.stream(stream):
+            self.slot.copy_(self.staging, non_blocking=True)
+            done = timing_event()
+            done.record(stream)  # type: ignore[arg-type]
+        self.done = done

@@ -203,7 +203,9 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
         def fits(s: TrainSetup) -> bool:
             est = estimate(shape, _fit_budgets(shape, s, sizing.usable_bytes, sizing.overhead),
                            sizing.overhead)
-            return est.total <= sizing.usable_bytes and est.fits_host
+            # the device only: more resident layers leave less on the host, so the most
+            # that fit the device is also the placement the host can best hold
+            return est.total <= sizing.usable_bytes
 
         setup = fit_resident_layers(setup, shape.layers, fits)
     return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead)

@@ -157,7 +157,9 @@ def fit_resident_layers(setup: TrainSetup, layers: int,
                         fits: Callable[[TrainSetup], bool]) -> TrainSetup:
     """``setup`` with the most resident layers for which ``fits`` holds: ``"all"`` when the
     weights do not bind, else the largest ``K < layers`` (the fewest layers streamed, the
-    least link time); ``0`` when even that does not fit (the row then does not fit)."""
+    least link time, the fewest host bytes); ``0`` when even that does not fit (the row then
+    does not fit). ``fits`` must hold for every ``K`` below one that fits (the device's
+    bytes grow with ``K``)."""
     if setup.quant != "nf4" or fits(setup.with_(resident_layers="all")):
         return setup.with_(resident_layers="all")
     if not fits(setup.with_(resident_layers=0)):

@@ -46,6 +46,7 @@ from tightfit.planner.moe import (
     expert_backward_bytes,
     expert_recompute_bytes,
     expert_saved_bytes,
+    tiled_expert_saved_bytes,
 )
 from tightfit.planner.shapes import MLP_WEIGHTS
 
@@ -144,8 +145,12 @@ def layer_saved_bytes(shape: ModelShape, setup: TrainSetup, *, first: bool = Fal
         if not mlp:
             total += _adapter_input_bytes(setup, names, width, needs_copy, t)
             total += sum(t * r * a for n in names if setup.adapts(n))
-    tiled = setup.mlp_tile is not None
-    total += t * shape.hidden * setup.d if tiled else mlp_saved_bytes(shape, setup, t)
+    if setup.mlp_tile is None:
+        total += mlp_saved_bytes(shape, setup, t)
+    elif shape.is_moe:  # the router runs untiled; the tiled experts keep their inputs
+        total += tiled_expert_saved_bytes(shape, setup, t)
+    else:
+        total += t * shape.hidden * setup.d
     return total
 
 
@@ -156,14 +161,21 @@ def layer_input_bytes(shape: ModelShape, setup: TrainSetup) -> int:
 
 def _dequant_moment(shape: ModelShape, setup: TrainSetup) -> int:
     """A quantized linear's backward: its dequantized weight beside its input and output
-    gradients (the MLP's see one tile's tokens when it is tiled)."""
+    gradients (the MLP's see one tile's tokens when it is tiled). A tiled MLP's weight is
+    dequantized as :func:`_base_input_grad` counts it (an NF4 weight in fp32 and its cast,
+    what a tile's backward holds at Phi-3's H × 2I gate_up), beside the MLP input's
+    gradient of all T tokens that the tiled function keeps (T·h·d)."""
     if setup.quant not in ("nf4", "int8"):
         return 0
     d, tile = setup.d, setup.mlp_tile_tokens
     moments = []
     for name, (fi, fo) in shape.linear_shapes().items():
         tokens = tile if name in MLP_WEIGHTS else setup.tokens
-        moments.append(fi * fo * d + tokens * (fi + fo) * d)
+        moment = fi * fo * d + tokens * (fi + fo) * d
+        if setup.mlp_tile is not None and name in MLP_WEIGHTS:
+            moment = (max(moment, _base_input_grad(setup, fi, fo, tokens))
+                      + setup.tokens * shape.hidden * d)
+        moments.append(moment)
     return max(moments)
 
 

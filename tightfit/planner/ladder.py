@@ -9,7 +9,8 @@ bytes on the host, whether both fit (the device with the overhead and the safety
 host within its pinned budget; a row that fits only inside the margin is "tight"), and an
 estimated slowdown (:mod:`tightfit.planner.speed`); the fastest that fits with the margin is
 recommended, with the ``tightfit train`` options that select it; a configuration the
-model's family does not have (the tiled MLP of MoE experts or of Phi-3's fused MLP) is a row
+model's family does not have (:func:`~tightfit.planner.estimate.untiled_mlp`; since every
+family's MLP tiles, MoE experts and Phi-3's fused MLP included, none today) is a row
 marked not applicable (:attr:`Row.not_applicable`). With
 ``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
 largest batch that fits (:mod:`tightfit.planner.max_length`).
@@ -322,7 +323,7 @@ def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,
 def _row(rung: Rung, sizing: Sizing, maximize: Maximize | None, seq_len: int, batch: int,
          granularity: int) -> Row:
     """``rung``'s row, maximized under ``maximize``; marked not applicable where the
-    model's family has no such configuration (a tiled MLP of MoE experts)."""
+    model's family has no such configuration (an MLP that cannot be tiled)."""
     why = untiled_mlp(sizing.shape) if rung.tiled else None
     if why is not None:
         setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,

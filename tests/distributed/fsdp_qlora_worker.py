@@ -14,6 +14,9 @@ import sys
 
 from tightfit.distributed import launch, qlora_check
 
+# the test's stack beyond the check's defaults: offloaded checkpoint inputs, tiled MLPs
+STACK = {"offload": "inputs", "mlp_tile": 8}
+
 
 def main(argv: list[str]) -> int:
     one, two, resumed = argv
@@ -22,7 +25,7 @@ def main(argv: list[str]) -> int:
     for out, resume_from in ((two, ""), (resumed, os.path.join(one, "saved"))):
         os.makedirs(out, exist_ok=True)
         qlora_check.run(qlora_check.QloraCheck(out=out, model=model, resume_from=resume_from,
-                                               device="cpu"), info)  # fmt: skip
+                                               device="cpu", **STACK), info)  # fmt: skip
     launch.close()
     return 0
 

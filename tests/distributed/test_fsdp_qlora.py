@@ -1,6 +1,7 @@
 """FSDP2 shards the 4-bit base: 2 gloo ranks against one process, and resumes across them.
 
-One process (``prepare``) trains the QLoRA check and saves after step 2; a 2-rank launch
+One process (``prepare``) trains the QLoRA check (NF4 + double quant, LoRA, the ``every`` plan
+with offloaded inputs, tiled MLPs, chunked loss, paged AdamW) and saves after step 2; a 2-rank launch
 loads the same safetensors shard by shard (meta first: no rank holds the whole model) and
 trains the same global batches, then resumes the 1-process saved state on 2 ranks; the
 2-rank saved state is then resumed in one process. Everything must agree within 1e-5.
@@ -25,6 +26,9 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("fsdp_qlora_worker.py")
+# as the worker's STACK: the `every` plan with each segment's input offloaded to disk and
+# every MLP tiled by 8 tokens, beside the chunked loss and paged AdamW under a small budget
+STACK = ["--offload", "inputs", "--mlp-tile", "8"]
 TOL = 1e-5
 
 
@@ -32,14 +36,14 @@ TOL = 1e-5
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp_qlora")
     one, two, up, down = (root / n for n in ("one", "two", "one_on_two", "two_on_one"))
-    assert qlora_check.main(["--out", str(one), "--device", "cpu"]) == 0
+    assert qlora_check.main(["--out", str(one), "--device", "cpu", *STACK]) == 0
     try:
         res = run_torchrun([str(WORKER), str(one), str(two), str(up)], 2, timeout_s=240)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun fsdp_qlora_worker timed out (killed):\n{exc.stderr}")
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
-    assert qlora_check.main(["--out", str(down), "--device", "cpu", "--model",
-                             str(one / "model"), "--resume-from", str(two / "saved")]) == 0
+    assert qlora_check.main(["--out", str(down), "--device", "cpu", "--model", str(one / "model"),
+                             "--resume-from", str(two / "saved"), *STACK]) == 0
     return {"one": one, "two": two, "one_on_two": up, "two_on_one": down}
 
 

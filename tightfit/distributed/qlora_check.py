@@ -51,6 +51,8 @@ class QloraCheck:
     layers: int = 2
     hidden: int = 64
     checkpoint: str = "every"
+    offload: str = "none"  # "inputs"/"all": each checkpointed segment's tensors to disk (CPU)
+    mlp_tile: int = 0  # tokens per tile of each MLP; 0: untiled
     quant: str = "nf4"
     double_quant: bool = True
     resume_from: str = ""
@@ -87,8 +89,11 @@ def _batch(opts: QloraCheck, step: int) -> torch.Tensor:
 def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
     from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
-    options = PrepareOptions(quant=opts.quant, double_quant=opts.double_quant,
-                             checkpoint=opts.checkpoint, loss_chunks=8)  # fmt: skip
+    options = PrepareOptions(
+        quant=opts.quant, double_quant=opts.double_quant, checkpoint=opts.checkpoint,
+        loss_chunks=8, offload=opts.offload, mlp_tile=opts.mlp_tile or None,
+        offload_dir=os.path.join(opts.out, f"offload-rank{info.rank}"),
+    )  # type: ignore[arg-type]  # fmt: skip
     lora = LoraOptions(r=4, alpha=8)
     example = {"input_ids": _batch(opts, 0)[: opts.batch // info.world_size]}
     example["labels"] = example["input_ids"]

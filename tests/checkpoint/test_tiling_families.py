@@ -68,11 +68,13 @@ def test_tiled_equals_untiled_full_precision(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiled_equals_untiled_nf4_with_lora(family: str) -> None:
     # tightfit.prepare: NF4 experts (tightfit.qlora.experts) with LoRA on every expert weight
-    # (ParamWrapper), NF4 linears elsewhere; the tile is installed by prepare, after LoRA
-    base = tiny(family)
+    # (ParamWrapper), NF4 linears elsewhere, the chunked loss (which adds the router's
+    # load-balancing loss itself, from the recorded router logits); the tile is installed by
+    # prepare, after LoRA
+    base = tiny(family, **({"output_router_logits": True} if family in MOE else {}))
     b = batch()
     lora = {"r": 4, "alpha": 8, "dropout": 0.0}
-    kw = dict(checkpoint=None, loss_chunks=None, lora=lora)
+    kw = dict(checkpoint=None, loss_chunks=16, lora=lora)
     untiled_pm = tightfit.prepare(copy.deepcopy(base), **kw)
     tiled_pm = tightfit.prepare(copy.deepcopy(base), mlp_tile=7, **kw)
     adapters = dict(tiled_pm.named_parameters())
@@ -84,6 +86,7 @@ def test_tiled_equals_untiled_nf4_with_lora(family: str) -> None:
     info = tiling_of(tiled_pm.get_base_model()) or tiling_of(tiled_pm)
     assert info is not None and info.kinds == (KIND[family],) * 2
     untiled, tiled = _step(untiled_pm, b), _step(tiled_pm, b)
+    assert len(untiled[1]) == (2 if family in MOE else 0)  # router logits, one per layer
     experts = [n for n in untiled[2] if ".experts." in n or "gate_up_proj" in n]
     assert experts and all(untiled[2][n].abs().sum() > 0 for n in experts)
     _compare(untiled, tiled)

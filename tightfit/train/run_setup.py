@@ -24,7 +24,7 @@ from tightfit.planner.host import host_limit
 from tightfit.qlora.prepare import PrepareInfo, load_causal_lm, prepare
 from tightfit.tiers import pinned
 from tightfit.tiers.pinned import PinnedHost
-from tightfit.train import builtin, resume, validate
+from tightfit.train import builtin, preflight, resume, validate
 from tightfit.train.data import TrainData, load_tokenizer, load_train_data, tokenizer_folder
 from tightfit.train.job import TrainJob
 from tightfit.train.memory import StepMemory, pressure_note
@@ -113,6 +113,11 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     out = _output_folder(t)
     saved = _check_output_folder(out, t)
     _set_threads(t)
+    # the planner on the run's own options against the real limit, before any data is read
+    pre = preflight.check_fits(cfg, _step_device(job, t.device))
+    cfg, t = pre.cfg, pre.cfg.train
+    for note in pre.notes:
+        log(f"note: {note}")
     data = _load_data(cfg, progress)
     try:
         if t.epochs is not None:  # the steps of --epochs, now that the data's size is known
@@ -231,6 +236,14 @@ def _set_threads(t: TrainOptions) -> None:
         # The built-in model's matrices are too small to gain from a second thread, and on
         # a busy machine an OpenMP team of two stalls badly waiting for its second core.
         torch.set_num_threads(threads)
+
+
+def _step_device(job: TrainJob, device: str | None) -> torch.device:
+    """Where this process's step will run (``--device``, the rank's device, or the default)."""
+    chosen = job.model_device(device)
+    if chosen is None:
+        chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(chosen)
 
 
 def _device_type(device: str | None) -> str:

@@ -44,12 +44,14 @@ def one_thread() -> Iterator[None]:
 def strict_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[StrictCuda]:
     """CUDA as the CPU can run it strictly (``tests/tiers/strict_cuda.py``: asynchronous side
     streams, stream order, a caching allocator that reuses memory at once, backward on its
-    own thread, host syncs counted). The test fails if it leaves a stream-order or allocator
-    violation in ``violations`` (a test that expects some asserts and clears them)."""
+    own thread, host syncs counted; pinned memory as ``tests/tiers/strict_pinned.py`` pins
+    it). The test fails if it leaves a stream-order, allocator or pinning violation (a test
+    that expects some asserts and clears them)."""
     emu = install(monkeypatch)
     try:
         yield emu
         emu.synchronize()  # every queued copy ran (and none failed)
     finally:
         uninstall(emu)
-    assert emu.violations == [], "\n".join(emu.violations)
+    violations = emu.violations + emu.pinned_host.violations
+    assert violations == [], "\n".join(violations)

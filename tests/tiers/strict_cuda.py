@@ -32,8 +32,10 @@ device stays the CPU. What it does, as CUDA and torch do it:
   excepted; host memory is pinned buffers and memory made otherwise (a spill map).
 
 Violations are collected in :attr:`StrictCuda.violations` (the fixture fails a test that
-leaves any). "Pinned" buffers are CPU tensors remembered as pinned and not tracked (the host
-allocator orders them by events itself); storages made before the emulation starts are not
+leaves any). Pinned host memory is ``tests/tiers/strict_pinned.py``'s (torch's power-of-two
+caching allocator and ``cudaHostRegister``, installed with this, :attr:`StrictCuda.pinned_host`):
+CPU tensors remembered as pinned and not tracked by the stream rules (the host allocator
+orders them by events itself); storages made before the emulation starts are not
 tracked. The kernels' own launch behaviour (bitsandbytes' default-stream launches, launch-
 time-only profiling) and real concurrency with the compute cannot be emulated here.
 """
@@ -44,7 +46,6 @@ import collections
 import contextlib
 import random
 import threading
-import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -60,163 +61,16 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
+from . import strict_pinned
 from .strict_alloc import CachingAllocator
+from .strict_stream import Clock, Event, Stream, _merge
 
-Clock = dict[int, int]  # stream id -> ops of that stream ordered before
 aten = torch.ops.aten
 _SYNCING_OPS = {aten._local_scalar_dense.default: "item", aten.equal.default: "equal",
                 aten.is_nonzero.default: "item", aten.nonzero.default: "nonzero",
                 aten.masked_select.default: "nonzero"}  # fmt: skip
 _METADATA = {aten.set_.source_Storage_storage_offset, aten.set_.source_Storage,
              aten.set_.source_Tensor, aten.set_.default, aten.resize_.default}  # fmt: skip
-
-
-class _Worker:
-    """A side stream's device: runs its queued work in order, each after a random delay."""
-
-    def __init__(self, name: str, jitter: float, rng: random.Random) -> None:
-        self._cond = threading.Condition()
-        self._tasks: collections.deque = collections.deque()
-        self.queued = self.finished = 0
-        self.errors: list[BaseException] = []
-        self._jitter, self._rng, self._closed = jitter, rng, False
-        self._thread = threading.Thread(target=self._run, name=f"strict-{name}", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Any) -> int:
-        with self._cond:
-            self._tasks.append(fn)
-            self.queued += 1
-            self._cond.notify_all()
-            return self.queued
-
-    def done(self, ticket: int) -> bool:
-        return self.finished >= ticket
-
-    def wait_for(self, ticket: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.finished >= ticket)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._tasks or self._closed)
-                if not self._tasks:
-                    return
-                fn = self._tasks[0]
-            time.sleep(self._rng.uniform(0, self._jitter))
-            try:
-                fn()
-            except BaseException as exc:  # reported by the emulation at the next sync
-                self.errors.append(exc)
-            with self._cond:
-                self._tasks.popleft()
-                self.finished += 1
-                self._cond.notify_all()
-
-
-class Stream:
-    """A fake CUDA stream with a vector clock (and, off the compute stream, a worker)."""
-
-    _ids = 0
-
-    def __init__(self, emu: StrictCuda, name: str, worker: bool = True) -> None:
-        Stream._ids += 1
-        self.id, self.name, self.emu = Stream._ids, name, emu
-        self.clock: Clock = {self.id: 0}
-        self.worker = _Worker(name, emu.jitter, emu.rng) if worker else None
-        emu.streams.append(self)
-
-    def __repr__(self) -> str:
-        return f"<stream {self.name}>"
-
-    def tick(self) -> int:
-        _merge(self.clock, self.emu.host)
-        self.clock[self.id] += 1
-        return self.clock[self.id]
-
-    def ticket(self) -> int:
-        return self.worker.queued if self.worker else 0
-
-    def done(self, ticket: int) -> bool:
-        return self.worker is None or self.worker.done(ticket)
-
-    def ordered_after(self, stream: Stream, op: int) -> bool:
-        _merge(self.clock, self.emu.host)
-        return stream is self or self.clock.get(stream.id, 0) >= op
-
-    def wait_event(self, event: Event) -> None:
-        assert event.snap is not None, "a stream waited on an event that was never recorded"
-        self.emu.calls.append(("wait_event", self.name, event.stream.name))
-        self._wait(event.stream, event.ticket)
-        _merge(self.clock, event.snap)
-
-    def wait_stream(self, stream: Stream) -> None:
-        self.emu.calls.append(("wait_stream", self.name, stream.name))
-        self._wait(stream, stream.ticket())
-        _merge(self.clock, stream.clock)
-
-    def _wait(self, other: Stream, ticket: int) -> None:
-        if other.worker is None or other is self:
-            return  # the compute's work is done when it is queued
-        if self.worker is None:  # the compute's later kernels run after it: hold them
-            other.worker.wait_for(ticket)
-        else:
-            self.worker.submit(lambda: other.worker.wait_for(ticket))
-
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event or Event()
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        self.emu.count_sync("stream.synchronize")
-        if self.worker is not None:
-            self.worker.wait_for(self.worker.queued)
-        _merge(self.emu.host, self.clock)
-
-    def query(self) -> bool:
-        return self.done(self.ticket())
-
-
-class Event:
-    """A fake CUDA event: the recording stream's clock and queue place when recorded."""
-
-    emu: StrictCuda
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        self.snap: Clock | None = None
-        self.stream: Stream | None = None
-        self.ticket = 0
-
-    def record(self, stream: Stream | None = None) -> None:
-        stream = stream or self.emu.current()
-        self.stream, self.snap, self.ticket = stream, dict(stream.clock), stream.ticket()
-
-    def synchronize(self) -> None:
-        assert self.snap is not None, "waited on an event that was never recorded"
-        self.emu.count_sync("event.synchronize")
-        if self.stream.worker is not None:
-            self.stream.worker.wait_for(self.ticket)
-        _merge(self.emu.host, self.snap)
-
-    def query(self) -> bool:
-        return self.snap is None or self.stream.done(self.ticket)
-
-    def wait(self, stream: Stream | None = None) -> None:
-        (stream or self.emu.current()).wait_event(self)
-
-
-def _merge(into: Clock, other: Clock) -> None:
-    for k, v in other.items():
-        if into.get(k, 0) < v:
-            into[k] = v
 
 
 @dataclass
@@ -244,6 +98,7 @@ class StrictCuda(TorchDispatchMode):
         self.sync_debug = "default"
         self.pinned: set[int] = set()
         self.allocator = CachingAllocator()
+        self.pinned_host: strict_pinned.StrictPinned | None = None  # set by install()
         self.compute = Stream(self, "compute", worker=False)
         self._local = threading.local()
         self._live: dict[int, _Storage] = {}
@@ -462,32 +317,11 @@ class StrictCuda(TorchDispatchMode):
         return run
 
 
-class _Cudart:
-    """``torch.cuda.cudart()``'s page-locking calls (``tightfit.tiers.pinned`` registers its
-    own mappings): registered memory is "pinned" to the emulation."""
-
-    class cudaError:  # noqa: N801 (cudart's name)
-        success = 0
-
-    def __init__(self, emu: StrictCuda) -> None:
-        self._emu = emu
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
-        self._emu.pinned.add(ptr)
-        return 0
-
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        self._emu.pinned.discard(ptr)
-        return 0
-
-    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802
-        return f"error {err}"
-
-
 def install(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> StrictCuda:
-    """Patch torch.cuda's streams, events, synchronize, pinned memory, ``record_stream``,
-    ``torch.empty``, the host reads and ``torch.autograd.backward`` with the strict emulation
-    and start it; the caller ends it with :func:`uninstall` (the fixture)."""
+    """Patch torch.cuda's streams, events, synchronize, pinned memory (with
+    ``tests/tiers/strict_pinned.py``), ``record_stream``, ``torch.empty``, the host reads and
+    ``torch.autograd.backward`` with the strict emulation and start it; the caller ends it
+    with :func:`uninstall` (the fixture)."""
     emu = StrictCuda(**kwargs)
     Event.emu = emu
     empty, tolist, cpu, numpy = torch.empty, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy
@@ -517,16 +351,22 @@ def install(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> StrictCuda:
     monkeypatch.setattr(torch.Tensor, "is_pinned",
                         lambda self, *a: self.untyped_storage().data_ptr() in emu.pinned)  # fmt: skip
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: emu.record_stream(self, s))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream(emu, f"side{len(emu.streams)}"))
+    class SideStream(Stream):  # a class, as torch.cuda.Stream is (annotations use it)
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(emu, f"side{len(emu.streams)}")
+
+    monkeypatch.setattr(torch.cuda, "Stream", SideStream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "stream", emu.use)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: emu.current())
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: emu.compute)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: emu.synchronize())
     monkeypatch.setattr(torch.autograd, "backward", emu.backward_on_thread(torch.autograd.backward))
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(emu))
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", emu.set_sync_debug_mode)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: emu.allocated_bytes())
+    # pinned memory as torch and cudaHostRegister pin it (power-of-two rounding, caching,
+    # registered ranges): tests/tiers/strict_pinned.py, alongside this emulation
+    emu.pinned_host = strict_pinned.install(monkeypatch, cuda=emu)
     emu.__enter__()
     return emu
 

@@ -1,0 +1,244 @@
+"""Host syncs per paged step, per optimizer and tier, counted under the strict CUDA emulation.
+
+A count, not a time: every ``.item()``/``.tolist()``/implicit conversion of a device tensor,
+``synchronize()`` of the device, a stream or an event, and blocking host<->device copy made on
+the stepping thread (``tests/tiers/strict_cuda.py``), with the optimizer's store built as on
+CUDA (its copy engine, pinned host pages). Per optimizer and flag set: steps 2-4 at 8 and 64
+params of 5,000 elements, three tiers (resident: no budget; streamed: a one-page device budget,
+the rest in pinned host pages; disk: the same with a one-page host budget, the rest in the
+spill file); then a tiny Llama's training step with every block's activations offloaded to
+pinned host memory, tiled MLPs and a streamed optimizer, at 2 and 4 layers (forward /
+backward / step).
+
+Before/after: run once on the old code (its ``tightfit`` first on ``PYTHONPATH``; the
+emulation and the counter are this tree's) with ``--json before.json``, then here with
+``--before before.json --out benchmarks/results/syncs.md``::
+
+    git worktree add /tmp/wt_syncs <rev>
+    PYTHONPATH=/tmp/wt_syncs .venv/bin/python benchmarks/syncs.py --json /tmp/before.json
+    .venv/bin/python benchmarks/syncs.py --before /tmp/before.json --before-rev <rev>
+    git worktree remove /tmp/wt_syncs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from environment import cpu_model, versions
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))
+import tightfit  # noqa: E402 (as PYTHONPATH or the venv finds it: the old code for "before")
+
+sys.path.insert(0, str(ROOT))  # the emulation and the counter are always this tree's tests/
+import tightfit.checkpoint as ck  # noqa: E402
+from tests.checkpoint.conftest import tiny_llama  # noqa: E402
+from tests.checkpoint.offloaded import MIN_BYTES, install  # noqa: E402
+from tests.tiers.counting import count_copies  # noqa: E402
+from tests.tiers.strict_cuda import install as emulate  # noqa: E402
+from tests.tiers.strict_cuda import uninstall  # noqa: E402
+from tightfit.checkpoint.plan import OffloadTier  # noqa: E402
+from tightfit.checkpoint.profile import step_loss  # noqa: E402
+from tightfit.checkpoint.tiling import enable_tiling  # noqa: E402
+from tightfit.optim.adamw import PagedAdam, PagedAdamW  # noqa: E402
+from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit  # noqa: E402
+from tightfit.optim.lion import PagedLion, PagedLion8bit  # noqa: E402
+from tightfit.optim.sgd import PagedSGD  # noqa: E402
+from tightfit.tiers.copy import CudaCopyEngine  # noqa: E402
+
+PAGE = 16 << 10
+NUMEL = 5000
+CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
+    "PagedAdamW (fused)": (PagedAdamW, {}),
+    "PagedAdamW foreach": (PagedAdamW, {"foreach": True}),
+    "PagedAdamW loop": (PagedAdamW, {"foreach": False}),
+    "PagedAdamW foreach, tensor lr": (PagedAdamW, {"fused": False, "lr": "tensor"}),
+    "PagedAdam foreach amsgrad": (PagedAdam, {"foreach": True, "amsgrad": True}),
+    "PagedAdamW8bit": (PagedAdamW8bit, {}),
+    "PagedAdamW8bit, tensor lr": (PagedAdamW8bit, {"lr": "tensor"}),
+    "PagedAdamW8bit torch backend": (PagedAdamW8bit, {"backend": "torch", "foreach": False}),
+    "PagedAdam8bit": (PagedAdam8bit, {}),
+    "PagedLion (foreach)": (PagedLion, {}),
+    "PagedLion, tensor lr": (PagedLion, {"lr": "tensor"}),
+    "PagedLion8bit": (PagedLion8bit, {}),
+    "PagedSGD momentum (fused)": (PagedSGD, {"momentum": 0.9, "fused": True}),
+    "PagedSGD momentum foreach": (PagedSGD, {"momentum": 0.9, "foreach": True}),
+    "PagedSGD dampening": (PagedSGD, {"momentum": 0.9, "dampening": 0.1}),
+    "PagedSGD, tensor lr": (PagedSGD, {"momentum": 0.9, "lr": "tensor"}),
+}
+TIERS = {"resident": {}, "streamed": {"device_budget": PAGE},
+         "disk": {"device_budget": PAGE, "host_budget": PAGE}}  # fmt: skip
+
+
+class Emulated:
+    """The strict emulation, installed for one measurement (a fresh one each)."""
+
+    def __enter__(self) -> Any:
+        self.mp = pytest.MonkeyPatch()
+        self.emu = emulate(self.mp)
+        count_copies(self.mp, CudaCopyEngine, emulate_accelerator=True)
+        return self.emu
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.emu.synchronize()
+        finally:
+            uninstall(self.emu)
+            self.mp.undo()
+
+
+def syncs(emu: Any, fn: Any) -> int:
+    before = sum(emu.syncs.values())
+    fn()
+    return sum(emu.syncs.values()) - before
+
+
+def optimizer_syncs(name: str, n: int, tier: str) -> list[int]:
+    """Host syncs of steps 2-4 of ``name`` on ``n`` params in ``tier``."""
+    cls, kw = CONFIGS[name]
+    with Emulated() as emu:
+        kw = dict(kw)
+        if kw.get("lr") == "tensor":
+            kw["lr"] = torch.full((), 1e-2)  # a device tensor (made by an op)
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(NUMEL, generator=gen)) for _ in range(n)]
+        opt = cls(params, page_bytes=PAGE, **TIERS[tier], **kw)
+        counts = []
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(NUMEL, generator=gen)
+            counts.append(syncs(emu, opt.step))
+        opt.close()
+    return counts[1:]
+
+
+def training_syncs(layers: int, cls: type) -> list[list[int]]:
+    """(forward, backward, step) syncs of steps 2-3 of a tiny Llama, offloaded and tiled."""
+    with Emulated() as emu, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = tiny_llama(layers=layers, hidden=64, vocab=256)
+        x = torch.randint(0, 256, (2, 64))
+        batch = {"input_ids": x, "labels": x}
+        tier = OffloadTier("host", 1e9, True, MIN_BYTES)
+        install(model, ck.profile(model, batch), ["stored_offload", "checkpoint_offload"],
+                tier=tier)  # fmt: skip
+        enable_tiling(model, 16)
+        opt = cls([p for p in model.parameters() if p.requires_grad], page_bytes=PAGE,
+                  device_budget=4 * PAGE)  # fmt: skip
+        out, box = [], []
+        for _ in range(3):
+            box.clear()
+            f = syncs(emu, lambda: box.append(step_loss(model, batch)))
+            b = syncs(emu, lambda: box[0].backward())
+            s = syncs(emu, opt.step)
+            opt.zero_grad()
+            out.append([f, b, s])
+        opt.close()
+        ck.disable(model)
+    return out[1:]
+
+
+def measure() -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name in CONFIGS:
+        for tier in TIERS:
+            key = f"{name} | {tier}"
+            try:
+                rows[key] = {str(n): optimizer_syncs(name, n, tier) for n in (8, 64)}
+            except (TypeError, ValueError) as exc:  # the old code may refuse a flag: say so
+                rows[key] = {"error": f"{type(exc).__name__}: {str(exc)[:80]}"}
+            print(key, rows[key], flush=True)
+    for cls in (PagedAdamW, PagedAdamW8bit):
+        key = f"training step, {cls.__name__} streamed"
+        rows[key] = {f"{n} layers": training_syncs(n, cls) for n in (2, 4)}
+        print(key, rows[key], flush=True)
+    return rows
+
+
+def _cell(entry: dict[str, Any] | None, size: str) -> str:
+    if entry is None:
+        return "-"
+    if "error" in entry:
+        return "refused"
+    values = entry[size]
+    if isinstance(values[0], list):  # a training step: forward/backward/step
+        return " / ".join(str(int(statistics.median(v[i] for v in values))) for i in range(3))
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def write(after: dict[str, Any], before: dict[str, Any] | None, before_rev: str,
+          out: Path) -> None:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True, cwd=ROOT).stdout.strip()  # fmt: skip
+    v = versions()
+    lines = [
+        "# Host syncs per paged step (strict CUDA emulation, counted)",
+        "",
+        f"`benchmarks/syncs.py`: after = the working tree at commit {rev}, before = "
+        f"{before_rev} (its tightfit; this tree's emulation and counter). A count, not a "
+        "time: the load of the shared "
+        f"machine does not change it (load average {os.getloadavg()[0]:.1f} at the end). "
+        f"CPU {cpu_model()}; torch {v['torch']}, bitsandbytes {v['bitsandbytes']}, "
+        f"transformers {v['transformers']}.",
+        "",
+        "Syncs per step after the first (steps 2-4; a range where they differ), at 8 and 64 "
+        f"params of {NUMEL:,} elements, {PAGE >> 10} KiB pages. resident: no device budget; "
+        "streamed: a one-page device budget, the rest in pinned host pages; disk: also a "
+        "one-page host budget, the rest in the spill file. Training step: forward / backward "
+        "/ step of a tiny Llama (activations offloaded to pinned host, MLPs tiled, state "
+        "streamed) at 2 and 4 layers.",
+        "",
+        "| optimizer | tier | before, 8 | before, 64 | after, 8 | after, 64 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, entry in after.items():
+        name, _, tier = key.partition(" | ")
+        old = (before or {}).get(key)
+        sizes = ["2 layers", "4 layers"] if "training" in key else ["8", "64"]
+        cells = [_cell(old, s) for s in sizes] + [_cell(entry, s) for s in sizes]
+        lines.append(f"| {name} | {tier or 'streamed'} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "The disk tier's write-backs wait on the host for each page's device-to-host copy "
+        "before the spill file is written (an event synchronize per page, on the copy thread, "
+        "or on the stepping thread when it helps the copy queue while it waits): those counts "
+        "vary from run to run with the thread scheduling and are outside the sync budget "
+        "(docs/optimizers.md). The forward's one sync is transformers' packed-sequence check "
+        "of the position ids, not tightfit's.",
+        "",
+    ]
+    out.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write the counts here (the before run)")
+    ap.add_argument("--before", type=Path, help="the before run's --json file")
+    ap.add_argument("--before-rev", default="?", help="the before run's commit")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/syncs.md")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("tightfit from", Path(tightfit.__file__).parent, flush=True)
+    rows = measure()
+    if args.json:
+        args.json.write_text(json.dumps(rows))
+        return
+    before = json.loads(args.before.read_text()) if args.before else None
+    write(rows, before, args.before_rev, args.out)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

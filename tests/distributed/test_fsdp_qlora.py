@@ -76,6 +76,7 @@ def test_each_rank_holds_half_the_base_and_gathers_one_block(runs) -> None:
         # in forward, recompute and backward one block's base at a time is gathered
         assert r["block"] <= r["gathered_peak"] <= 1.05 * r["block"]
     assert sum(r["held"] for r in ranks) <= 1.01 * ranks[0]["whole"]
+    assert all(r["embedding_unit"] for r in ranks)  # untied and frozen: a unit of its own
 
 
 @pytest.mark.parametrize("resumed", ["one_on_two", "two_on_one"])

@@ -89,8 +89,11 @@ def shard_model(
             block, mesh=mesh, ignored_params=frozen(block),
             reshard_after_forward=reshard_after_forward or (shard_frozen and has_frozen),
         )  # fmt: skip
-    # the root (embeddings, norm, head) stays gathered from forward to backward, which needs
-    # it at once; torchtitan does the same
+    embed = _frozen_untied_embedding(model) if shard_frozen else None
+    if embed is not None:  # used once, at the start: gathered for its lookup only
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True)
+    # the root (norm, head; the embeddings when tied) stays gathered from forward to
+    # backward, which needs it at once; torchtitan does the same
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model))
     _prefetch_one_ahead(blocks)
     return model
@@ -100,6 +103,19 @@ def _linear4bit(model: nn.Module):  # noqa: ANN202
     import bitsandbytes as bnb
 
     return ((n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+def _frozen_untied_embedding(model: nn.Module) -> nn.Module | None:
+    """The input embedding, when it is frozen and not tied to the head (a unit of its own
+    would split a parameter the root's head also uses)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embed is None or any(p.requires_grad for p in embed.parameters()):
+        return None
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    return None if any(id(p) in head_params for p in embed.parameters()) else embed
 
 
 def _prefetch_one_ahead(blocks: list[nn.Module]) -> None:

@@ -148,6 +148,13 @@ def _watch_gathered(model: nn.Module) -> dict[str, int]:
     return seen
 
 
+def _own_unit(model: nn.Module) -> bool:
+    """Whether the input embedding is an FSDP2 unit of its own (gathered for its lookup)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model.get_input_embeddings(), FSDPModule)
+
+
 def _optimizer(opts: QloraCheck, model: nn.Module, rank: int) -> torch.optim.Optimizer:
     from tightfit.optim.adamw import PagedAdamW
 
@@ -198,7 +205,7 @@ def run(opts: QloraCheck, info: launch.DistInfo) -> dict:
         if step + 1 == opts.save_at and not opts.resume_from:
             dcp.save(os.path.join(opts.out, "saved"), model, optimizer,
                      extra={"step": step + 1}, trainable_only=True)  # fmt: skip
-    mine = {**base_bytes(model), **seen}
+    mine = {**base_bytes(model), **seen, "embedding_unit": _own_unit(model)}
     if info.device.type == "cuda":  # the whole rank's peak: base, LoRA, state, activations
         mine["cuda_peak"] = torch.cuda.max_memory_allocated(info.device)
     ranks = launch.gather_objects(mine)

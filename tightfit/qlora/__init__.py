@@ -10,6 +10,8 @@ Here:
     expert_lora: LoRA on those 4-bit experts through peft's parameter targets.
     coverage: the notes on what stayed in full precision or without adapters.
     saved_quant_state: a prepared model's state dict loads back into its 4-bit layers.
+    shardable: ``ShardableLinear4bit``, a 4-bit layer whose codes and constants are
+        parameters FSDP2 can shard (:mod:`tightfit.distributed.parallelize`).
 
 May import measure, model, integrity, tiers, loss, checkpoint, paging, pressure and optim
 (it uses measure, loss and checkpoint: the activation plan is

@@ -17,7 +17,8 @@ device stays the CPU. What it does, as CUDA and torch do it:
   An op that reads a storage last written on another stream, or writes one another stream
   used, must be ordered after that use (an event waited on, ``wait_stream``, a host sync);
 * **allocator**: ``torch.empty`` on the device comes from :mod:`strict_alloc` (freed blocks
-  poisoned and handed to the next request of the stream at once). A storage used on another
+  poisoned and handed to the next request of the stream at once; ops' outputs still come
+  from the CPU's allocator: for them only the rule is checked). A storage used on another
   stream must, when it is freed, have that use ordered before the allocating stream's
   position, or ``record_stream(that stream)`` called on it (torch's two ways);
 * **backward** (``torch.autograd.backward``, hence ``Tensor.backward``) runs on a thread of
@@ -32,12 +33,17 @@ device stays the CPU. What it does, as CUDA and torch do it:
   excepted; host memory is pinned buffers and memory made otherwise (a spill map).
 
 Violations are collected in :attr:`StrictCuda.violations` (the fixture fails a test that
-leaves any). Pinned host memory is ``tests/tiers/strict_pinned.py``'s (torch's power-of-two
-caching allocator and ``cudaHostRegister``, installed with this, :attr:`StrictCuda.pinned_host`):
-CPU tensors remembered as pinned and not tracked by the stream rules (the host allocator
-orders them by events itself); storages made before the emulation starts are not
-tracked. The kernels' own launch behaviour (bitsandbytes' default-stream launches, launch-
-time-only profiling) and real concurrency with the compute cannot be emulated here.
+leaves any). Streams and events are in ``strict_stream.py``. Pinned host memory is
+``strict_pinned.py``'s (torch's power-of-two caching allocator and ``cudaHostRegister``,
+installed with this: :attr:`StrictCuda.pinned_host`): CPU tensors remembered as pinned and
+not tracked by the stream rules (the host allocator orders them by events itself); storages
+made before the emulation starts are not tracked.
+
+What it cannot show: the kernels' own launch behaviour (bitsandbytes' launches on the legacy
+default stream are modelled by a test that runs them there; launch-time-only profiling),
+real concurrency of the compute with the copies (the compute's ops run at once, its waits
+block the host), and, the device being the CPU, host memory made with a plain
+``torch.empty`` on the test's thread (it is device memory here).
 """
 
 from __future__ import annotations

@@ -131,6 +131,17 @@ class StrictCuda(TorchDispatchMode):
             _merge(self.host, s.clock)
         self.raise_copy_errors()
 
+    @contextlib.contextmanager
+    def hold(self, stream: Stream) -> Any:
+        """Inside, ``stream`` runs none of its queued work (a GPU busy elsewhere): copies
+        queued meanwhile land after the block, whatever the test's thread did in between."""
+        gate = threading.Event()
+        stream.worker.submit(gate.wait)
+        try:
+            yield
+        finally:
+            gate.set()
+
     def raise_copy_errors(self) -> None:
         for s in self.streams:
             if s.worker is not None and s.worker.errors:

@@ -190,3 +190,31 @@ def test_host_syncs_are_counted_by_kind(strict) -> None:
     pinned.tolist()  # host memory: not a sync
     assert dict(strict.syncs) == {"item": 2, "tolist": 1, "blocking copy": 2, "synchronize": 1,
                                   "stream.synchronize": 1}
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_an_unprotected_free_lets_the_late_copy_clobber_the_next_tensor(strict, protect) -> None:
+    """What a GPU does to a buffer freed while a side-stream copy still writes it: the next
+    request gets the block, and the copy lands in the new tensor (record_stream keeps the
+    block out of reach until the copy is done)."""
+    side = torch.cuda.Stream()
+    home = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True).fill_(3)
+    with strict.hold(side):
+        dst = torch.empty(1 << 16, dtype=torch.uint8)
+        ready = torch.cuda.Event()
+        ready.record()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            dst.copy_(home, non_blocking=True)
+        if protect:
+            dst.record_stream(side)
+        del dst
+        new = torch.empty(1 << 16, dtype=torch.uint8)
+        new.fill_(5)  # the new owner's data, written before the copy ran
+    torch.cuda.synchronize()
+    if protect:
+        assert strict.violations == [] and bool((new == 5).all())
+    else:
+        assert bool((new == 3).all())  # clobbered by the copy that was still queued
+        assert len(strict.violations) == 1
+        strict.violations.clear()

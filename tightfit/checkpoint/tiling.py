@@ -1,9 +1,12 @@
 """Tiled MLPs: each decoder layer's MLP runs in tiles of tokens, forward and backward.
 
-At long sequence length a Llama-family MLP's gate/up/activation intermediates (``tokens ×
-intermediate`` each, plus their LoRA and dropout companions) are the widest tensors of the
-layer. :func:`enable_tiling` patches the ``mlp`` child of every block (found by
-:func:`~tightfit.model.blocks.find_blocks`) so that:
+At long sequence length an MLP's gate/up/activation intermediates (``tokens × intermediate``
+each, plus their LoRA and dropout companions; a MoE layer's per routed pair) are the widest
+tensors of the layer. :func:`enable_tiling` patches the ``mlp`` child of every block (found
+by :func:`~tightfit.model.blocks.find_blocks`): a gate/up/down MLP (Llama family), Phi-3's
+fused gate_up MLP, or the *experts* call of a MoE block (Mixtral, Qwen3-MoE, gpt-oss; the
+router runs untiled, so router logits and the load-balancing loss are the untiled ones), as
+:mod:`tightfit.checkpoint.mlp_kinds` finds them, so that:
 
 * **forward** runs the MLP tile by tile along the *flattened* ``batch · seq`` tokens under
   ``torch.no_grad()`` and keeps only the MLP's input (the MLP acts on each token alone, so

@@ -17,8 +17,9 @@ cache) and the process's ``VmHWM`` (``/proc/self/clear_refs``), so the peaks are
 Runs alternate (resident, paged, resident, paged, ...) and the step times are compared as
 paired ratios from the same run. The page cache of the spill file is charged to the cgroup
 but reclaimable; the last part of the run proves the saving under a real limit: both
-configurations under one cap between their RSS peaks — the resident run is expected to be
-OOM-killed, the paged one to finish with the same losses.
+configurations under one cap (set by the child on its own cgroup once the model is prepared,
+so it bounds the steps, not the fp32 model built before quantization) — the resident run is
+expected to be OOM-killed, the paged one to finish with the same losses.
 
 Beside the CPU figures: the planner's estimate of the link cost on a GPU (20 GB/s, 100
 TFLOP/s: ``tightfit.planner.paged_weights.exposed_seconds``) for this shape and for
@@ -93,6 +94,11 @@ def child(ns: argparse.Namespace) -> None:
     cg = _own_cgroup()
     if cg is not None:
         (cg / "memory.max_usage_in_bytes").write_text("0")
+        if ns.limit:  # the cap is the steps': preparing (the fp32 model first) needs more
+            (cg / "memory.limit_in_bytes").write_text(str(ns.limit))
+            memsw = cg / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                memsw.write_text(str(ns.limit))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     records = []
     for x in batches:
@@ -113,9 +119,9 @@ def child(ns: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the parent
 def run(cap, resident: str, steps: int, limit: int | None, log: Path) -> dict:  # noqa: ANN001
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--resident", resident,
-           "--steps", str(steps), "--out", str(log)]
+           "--steps", str(steps), "--out", str(log), "--limit", str(limit or 0)]
     log.unlink(missing_ok=True)
-    cg, join = child_cgroup(cap, limit, "tightfit-paged")
+    cg, join = child_cgroup(cap, None, "tightfit-paged")  # the child sets its limit
     t0 = time.perf_counter()
     with open(log.with_suffix(".err"), "w") as err:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -159,6 +165,7 @@ def main() -> int:
     ap.add_argument("--resident", default="all")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out")
+    ap.add_argument("--limit", type=int, default=0, help="(child) memory limit of the steps")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reuse", help="a folder with the uncapped runs' outputs of an earlier "
@@ -248,8 +255,8 @@ def _write(ns, runs: dict, capped: dict, load0, load1) -> None:  # noqa: ANN001
         f"- losses equal, step by step: {'yes' if losses_equal else 'NO'}.",
         "- the cgroup peak counts the spill file's page cache (clean after each release, "
         "reclaimable); under a limit the kernel takes it back:", "",
-        f"Under one memory limit of {capped['limit'] / MiB:.1f} MiB (the resident run's cgroup "
-        "peak less half the RSS paging saves" + (
+        f"Under one memory limit of {capped['limit'] / MiB:.1f} MiB on the steps (set once the "
+        "model is prepared; the resident run's cgroup peak less half the RSS paging saves" + (
             "; the uncapped runs above are reused from an earlier invocation, --reuse"
             if ns.reuse else "") + "):", "",
         "| | exit | OOM kills | losses |", "|---|---|---|---|",

@@ -134,9 +134,13 @@ def _segment_backward(setup: TrainSetup, terms: _Terms, seg: Segment, before: in
             own += (e - s - 1) * x  # 16-bit: recomputed inner layer outputs stay alive
         # its input (back on the device), its recomputed tensors, the output's gradient
         return before + x + own + prefetch + x + terms.inputs + terms.pinned(seg)
-    # stored, on the device or fetched back whole (stored_offload): its saved tensors
-    return (before + terms.extra + terms.saved(s, e) + prefetch + terms.trans + x
-            + terms.pinned(seg))
+    # stored, on the device or fetched back whole (stored_offload): its saved tensors, and
+    # at least its last layer's listed backward moment beside the layers before it (which
+    # the calibrated transients miss once the adapters compute in 16-bit: a 4-bit weight
+    # dequantized to fp32 and cast, -7.5 % on a bf16 NF4 step without it)
+    calibrated = terms.extra + terms.saved(s, e) + terms.trans
+    listed = terms.saved(s, e - 1) + terms.backward[e - 1]
+    return before + max(calibrated, listed) + prefetch + x + terms.pinned(seg)
 
 
 def plan_peak(shape: ModelShape, setup: TrainSetup, segments: tuple[Segment, ...],

@@ -11,6 +11,7 @@ Here:
     activations, attention, moe: activation bytes per layer, per family, per MoE layer.
     peak, host: a checkpoint plan's activation peak, device and host; the pinned host side.
     work, speed: matmul work per token; the estimated slowdown of each row.
+    paged_weights: how many layers keep their NF4 weights on the device, the rest streamed.
     ladder: ``plan(...)``: the configurations, each predicted piece by piece.
     max_length: ``--max-seq``: the longest sequence (largest batch) each row fits.
     table: ``PlanReport`` and ``Row``, and the table printed of them (text or ``--json``).

@@ -10,6 +10,8 @@ Here:
     expert_lora: LoRA on those 4-bit experts through peft's parameter targets.
     coverage: the notes on what stayed in full precision or without adapters.
     saved_quant_state: a prepared model's state dict loads back into its 4-bit layers.
+    paged_base: ``enable_paged_base``: the 4-bit weights of all but the last K decoder
+        layers wait on the next tier and stream in one layer ahead (``resident_layers``).
     shardable: ``ShardableLinear4bit``, a 4-bit layer whose codes and constants are
         parameters FSDP2 can shard (:mod:`tightfit.distributed.parallelize`).
 

@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "optimizer_for": "tightfit.optim.registry",
     "PrepareOptions": "tightfit.qlora.prepare_options",
     "LoraOptions": "tightfit.qlora.prepare_options",
+    "enable_paged_base": "tightfit.qlora.paged_base",
+    "disable_paged_base": "tightfit.qlora.paged_base",
     "MemoryReport": "tightfit.report.report",
     "measure_report": "tightfit.report.report",
     "chunked_cross_entropy": "tightfit.loss",

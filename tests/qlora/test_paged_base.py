@@ -21,7 +21,7 @@ from tightfit.qlora.paged_base import (
     paged_base_of,
 )
 from tightfit.tiers.copy import CudaCopyEngine
-from tightfit.tiers.regions import TierFullError, pinned_pool
+from tightfit.tiers.regions import TierFullError
 
 from ..tiers.strict_cuda import _Storage, install, uninstall
 
@@ -136,8 +136,7 @@ def _strict(monkeypatch):  # noqa: ANN001, ANN202
     prepared (its quantization is not what is checked), with CUDA's copy engine and a pinned
     home on the CPU device."""
     emu = install(monkeypatch)
-    monkeypatch.setattr(PagedBase, "_tier", lambda self: (
-        CudaCopyEngine(torch.device("cpu")), pinned_pool(1 << 20, None), None))
+    monkeypatch.setattr(PagedBase, "_pinned_tier", lambda self: True)
     return emu, _track_resizes(monkeypatch, emu)
 
 
@@ -152,6 +151,7 @@ def test_the_stream_order_is_legal_under_strict_cuda(monkeypatch) -> None:  # no
         pager = enable_paged_base(model, 1)
         losses, grads = train(model, steps=1)
         assert tracked["allocated"] > 0 and tracked["freed"] > 0
+        assert isinstance(pager.engine, CudaCopyEngine) and pager.pool.tier == "host"
         assert ("wait_event", "compute", pager.engine.stream.name) in emu.calls
         assert torch.equal(want_losses[0], losses[0])
         assert all(torch.equal(want_grads[0][k], grads[0][k]) for k in want_grads[0])

@@ -201,10 +201,17 @@ class PagedBase:
             layers.append(ly)
         return layers
 
+    def _pinned_tier(self) -> bool:
+        """Whether the next tier is pinned host memory (a CUDA device) or the disk."""
+        return self.device.type == "cuda"
+
     def _tier(self) -> tuple[CopyEngine, RegionPool, SpillArea | None]:
         grow = sum(-(-p.nbytes // 4096) * 4096 for ly in self.layers for p in ly.pieces)
-        if self.device.type == "cuda":
-            return CudaCopyEngine(self.device), pinned_pool(grow, None), None
+        if self._pinned_tier():
+            # pinned with the other pinned users, against one budget: a host that cannot
+            # pin the weights says so here (TierFullError), before any step
+            pool = pinned_pool(grow, None, what="paged base weights", device=self.device)
+            return CudaCopyEngine(self.device), pool, None
         spill = SpillArea(self._spill_dir)
         return CopyEngine(), disk_pool(spill, grow, None), spill
 

@@ -87,6 +87,10 @@ def _two_ranks_with_a_target(model_dir: Path, out: Path, strategy: str) -> None:
     assert len(ranks) == 2 and all(r["disk_bytes"] > 0 for r in ranks)  # budget forced paging
     # every rank keeps its device under the target: a target and a watch reading its probe
     assert all(r["target_bytes"] == 4 << 30 and r["watch_reads"] > 0 for r in ranks), ranks
+    if strategy == "fsdp":  # the 4-bit base sharded: each rank holds half of it (padding aside)
+        base = [r["base_bytes"] for r in ranks]
+        assert all(b["whole"] > 0 and abs(b["held"] - b["whole"] / 2) <= 0.05 * b["whole"] / 2
+                   and 0 < b["block"] < b["whole"] for b in base), base  # fmt: skip
 
 
 @pytest.mark.slow

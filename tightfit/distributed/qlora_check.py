@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
-from tightfit.optim.dtensor import is_dtensor, local_tensor
-from tightfit.qlora.shardable import BASE_PIECES, shardable_layers
+from tightfit.optim.dtensor import is_dtensor
+from tightfit.qlora.shardable import BASE_PIECES, base_bytes, shardable_layers
 
-__all__ = ["QloraCheck", "base_bytes", "main", "run", "write_tiny_model"]
+__all__ = ["QloraCheck", "main", "run", "write_tiny_model"]
 
 
 @dataclass
@@ -106,24 +106,6 @@ def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
     from tightfit.qlora.prepare import prepare
 
     return prepare(folder, options, lora=lora, example=example, device=info.device)
-
-
-def base_bytes(model: nn.Module) -> dict[str, int]:
-    """This rank's bytes of the 4-bit base: held (its shards), the whole base, and the largest
-    block's (what one gather brings in)."""
-    held = whole = 0
-    per_block: dict[str, int] = {}
-    for name, layer in shardable_layers(model):
-        for piece in BASE_PIECES:
-            p = layer._parameters.get(piece)
-            if p is None:
-                continue
-            held += local_tensor(p).numel() * p.element_size()
-            n = p.numel() * p.element_size()
-            whole += n
-            block = name.split(".layers.")[-1].split(".")[0] if ".layers." in name else name
-            per_block[block] = per_block.get(block, 0) + n
-    return {"held": held, "whole": whole, "block": max(per_block.values(), default=0)}
 
 
 def _watch_gathered(model: nn.Module) -> dict[str, int]:

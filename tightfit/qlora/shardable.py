@@ -36,6 +36,7 @@ __all__ = [
     "BASE_PIECES",
     "REPLICATED_BYTES",
     "ShardableLinear4bit",
+    "base_bytes",
     "base_parameters",
     "empty_shardable",
     "make_shardable",
@@ -190,6 +191,32 @@ def empty_shardable(layer: bnb.nn.Linear4bit, *, blocksize: int) -> ShardableLin
         layer.nested_blocksize = None
     layer.quant_state = None
     return layer
+
+
+def base_bytes(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of the 4-bit base: ``held`` (its shards), ``whole`` (the base's),
+    ``block`` (the largest decoder layer's base: what one gather brings in)."""
+
+    def sizes(module: nn.Module) -> tuple[int, int]:
+        held = whole = 0
+        for _, layer in shardable_layers(module):
+            for piece in BASE_PIECES:
+                p = layer._parameters.get(piece)
+                if p is not None:
+                    held += _local(p).numel() * p.element_size()
+                    whole += p.numel() * p.element_size()
+        return held, whole
+
+    from tightfit.model.blocks import find_blocks
+
+    held, whole = sizes(model)
+    blocks = find_blocks(model) if whole else []
+    return {"held": held, "whole": whole,
+            "block": max((sizes(b)[1] for b in blocks), default=0)}  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

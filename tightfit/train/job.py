@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from tightfit.distributed.parallelize import shard_model
 from tightfit.distributed.sharded_load import load_sharded
 from tightfit.optim.dtensor import is_dtensor, local_numel
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
+from tightfit.qlora.shardable import base_bytes
 from tightfit.train import resume
 
 DCP_DIR = "dcp"
@@ -45,6 +46,8 @@ class TrainJob:
     # A block with a frozen base (QLoRA) is always ZeRO-3: its base is sharded, and ZeRO-2
     # would hold every block's gathered base at the end of forward (shard_model forces it).
     reshard_after_forward: bool = False
+    # the model FSDP2 sharded (set by wrap / load_sharded): the report's per-rank base bytes
+    sharded: nn.Module | None = field(default=None, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -97,7 +100,8 @@ class TrainJob:
         if self.strategy == "ddp":
             return shard_model(model, "ddp")
         # The frozen base, grads and the paged optimizer state are sharded either way.
-        return shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward)
+        self.sharded = shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward)
+        return self.sharded
 
     def loads_shards(self, model_folder: str | None) -> bool:
         """Whether each rank loads only its shards of the model (``--fsdp --model DIR``).
@@ -117,8 +121,9 @@ class TrainJob:
         """The prepared model of ``folder``, FSDP2-sharded as it loads (no rank holds the
         whole model): :func:`tightfit.distributed.sharded_load.load_sharded`. ``check`` runs
         on the model while it is still on the meta device, before any weight is read."""
-        return load_sharded(folder, options, lora=lora, example=example,
-                            device=self.info.device, check=check)  # fmt: skip
+        self.sharded = load_sharded(folder, options, lora=lora, example=example,
+                                    device=self.info.device, check=check)  # fmt: skip
+        return self.sharded
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's contiguous rows of a global batch."""
@@ -176,6 +181,8 @@ class TrainJob:
         mine["local_param_elements"] = sum(
             local_numel(p) for g in optimizer.param_groups for p in g["params"]
         )
+        if self.sharded is not None:  # the 4-bit base: this rank's shards, the whole, a block
+            mine["base_bytes"] = base_bytes(self.sharded)
         return {"world_size": self.info.world_size, "strategy": self.strategy,
                 "ranks": self.gather(mine)}  # fmt: skip
 

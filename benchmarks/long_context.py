@@ -4,7 +4,8 @@ Three stacks on one small Llama-architecture model built from a config (Llama pr
 intermediate 3.5 × hidden, GQA, a 32k vocabulary), NF4 + double quant + LoRA on all linears:
 
 * **hf**: ``BitsAndBytesConfig`` 4-bit + ``prepare_model_for_kbit_training`` with
-  ``gradient_checkpointing_enable()`` (every layer, non-reentrant) + peft LoRA, SDPA attention;
+  ``gradient_checkpointing_enable(..., offload=True)`` (every layer, non-reentrant, its
+  checkpointed inputs offloaded by transformers itself: :func:`hf_offload`) + peft LoRA, SDPA;
 * **now**: ``tightfit.prepare(checkpoint="every", offload="none", mlp_tile="none")``: every
   layer checkpointed + chunked loss, as tightfit was before long-context planning;
 * **long**: ``tightfit.prepare(checkpoint_budget=BUDGET)`` with the defaults
@@ -95,9 +96,33 @@ def _build(stack: str, folder: Path, batch: dict, a: argparse.Namespace,
     model = prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_offload(model)
     model.config.use_cache = False
     return get_peft_model(model, LoraConfig(r=a.r, lora_alpha=2 * a.r, lora_dropout=0.0,
                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def hf_offload(model: torch.nn.Module) -> None:
+    """Turn on transformers' own offload of checkpointed inputs (transformers >= 5.17).
+
+    In 5.23 ``offload`` is an argument of ``gradient_checkpointing_enable`` beside
+    ``gradient_checkpointing_kwargs`` (``gradient_checkpointing_kwargs={"offload": True}`` is
+    handed on to ``torch.utils.checkpoint`` and fails there: "Unexpected keyword arguments:
+    offload"). It wraps each checkpointed layer in ``torch.autograd.graph.save_on_cpu(
+    pin_memory=True)``; a CPU-only torch has no pinned allocator and raises on the first
+    step, so on the CPU the same wrapper runs with ``pin_memory=False`` (the one change).
+    There the saved tensors already live in host memory (``tensor.cpu()`` returns them as
+    they are): HF's offload saves nothing on the CPU, and the baseline is HF as it runs there.
+    """
+    import transformers.modeling_utils as mu
+
+    if not torch.cuda.is_available() and not getattr(mu.save_on_cpu, "_unpinned", False):
+        def unpinned(pin_memory: bool = False, device_type: str = "cpu"):  # noqa: ANN202
+            return torch.autograd.graph.save_on_cpu(pin_memory=False, device_type=device_type)
+        unpinned._unpinned = True  # type: ignore[attr-defined]
+        mu.save_on_cpu = unpinned
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                        offload=True)
 
 
 def batch_of(tokens: int, a: argparse.Namespace) -> dict:
@@ -377,7 +402,7 @@ def write(r: dict, out: Path) -> None:
     if not f:  # --cgroup-only: no search, so no table of longest sequences
         lines = lines[:5] + [f"Wall time {r['wall_s'] / 60:.1f} min."]
         lines[0] = "# Long context under a real memory cgroup"
-    names = {"hf": "HF (bnb 4-bit + peft + gradient_checkpointing_enable + SDPA)",
+    names = {"hf": "HF (bnb 4-bit + peft + gradient_checkpointing_enable(offload=True) + SDPA)",
              "now": "tightfit now (every layer + chunked loss)",
              "long": "tightfit long (prepare, checkpoint_budget = budget)"}
     for s, n in f.items():

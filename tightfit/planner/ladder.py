@@ -13,13 +13,15 @@ model's family does not have (:func:`~tightfit.planner.estimate.untiled_mlp`; si
 family's MLP tiles, MoE experts and Phi-3's fused MLP included, none today) is a row
 marked not applicable (:attr:`Row.not_applicable`). With
 ``maximize="seq"`` / ``"batch"`` each configuration instead gets the longest sequence /
-largest batch that fits (:mod:`tightfit.planner.max_length`).
+largest batch that fits (:mod:`tightfit.planner.max_length`). With ``gpus=N`` every row is
+one rank of ``torchrun --nproc_per_node N ... train --fsdp`` (:mod:`tightfit.planner.ranks`),
+and the report says the fewest GPUs of the size that fit.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +33,9 @@ from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.paged_weights import fit_resident_layers
 from tightfit.planner.presets import ModelShape, load_shape, model_folder
+from tightfit.planner.ranks import MAX_GPUS, RankEstimate, check_gpus, global_batch, step_estimate
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
-from tightfit.planner.table import PlanReport, Row
+from tightfit.planner.table import Fewest, PlanReport, Row
 from tightfit.planner.train_args import train_args
 from tightfit.planner.train_setup import TrainSetup
 from tightfit.qlora.prepare_options import LoraOptions
@@ -74,7 +77,8 @@ class Rung:
 class Sizing:
     """What every configuration is sized against: the device, its overhead, the host, and
     the speed model's throughputs; ``margin`` is the share of the device a fitting row
-    leaves free (rows inside it are "tight")."""
+    leaves free (rows inside it are "tight"); ``gpus``: the rows are one rank of that many
+    (every figure, ``gpu_bytes`` and the host budget's share included, is per rank)."""
 
     shape: ModelShape
     gpu_bytes: int
@@ -83,6 +87,7 @@ class Sizing:
     gpu_tflops: float = DEFAULT_GPU_TFLOPS
     link_gbps: float = DEFAULT_LINK_GBPS
     margin: float = 0.0
+    gpus: int = 1
 
     @property
     def margin_bytes(self) -> int:
@@ -164,13 +169,17 @@ def _room(gpu: int, overhead: Overhead) -> int:
     return int((gpu - overhead.fixed_bytes) / (1.0 + overhead.fraction))
 
 
-def _fit_budgets(shape: ModelShape, setup: TrainSetup, gpu: int, overhead: Overhead) -> TrainSetup:
-    """Give a ``budget`` plan the activation room left, a paged optimizer the state room."""
+def _fit_budgets(shape: ModelShape, setup: TrainSetup, gpu: int, overhead: Overhead,
+                 gpus: int = 1) -> TrainSetup:
+    """Give a ``budget`` plan the activation room left, a paged optimizer the state room
+    (on one rank of ``gpus``: what its shards and gathered blocks leave)."""
     if setup.checkpoint != "budget" and not setup.paged:
         return setup
-    probe = estimate(shape, setup.with_(checkpoint="every", checkpoint_budget=None,
-                                        optimizer_device_budget=None), overhead)
+    probe = step_estimate(shape, setup.with_(checkpoint="every", checkpoint_budget=None,
+                                             optimizer_device_budget=None), overhead, gpus)
     static = probe.weights + probe.constants + probe.lora + probe.grads
+    if isinstance(probe, RankEstimate):  # held from forward to backward, as the shards
+        static += probe.gathered + probe.comm
     room = _room(gpu, overhead) - static
     if setup.paged:
         # keep resident what is left beside the smallest activation plan; the rest pages
@@ -193,14 +202,19 @@ def _fit_budgets(shape: ModelShape, setup: TrainSetup, gpu: int, overhead: Overh
 def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
           monotone: bool = False) -> TrainSetup:
     """``rung``'s setup for steps of ``batch`` × ``seq_len``: loss chunk, MLP tile, host
-    budget, and the checkpoint / optimizer budgets of the room the device leaves."""
+    budget, and the checkpoint / optimizer budgets of the room the device leaves. On
+    ``sizing.gpus`` > 1, ``batch`` is one rank's rows, the host budget its share (the ranks
+    of one machine pin from one RAM), and no layer's weights stream (the base is sharded;
+    ``--resident-layers`` is not applied under ``--fsdp``)."""
     shape = sizing.shape
-    setup = rung.setup.with_(seq_len=seq_len, batch_size=batch, host_budget=sizing.host.budget)
+    gpus = sizing.gpus
+    setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,
+                             host_budget=sizing.host.budget // gpus)
     if rung.chunked:
         setup = setup.with_(loss_chunk_tokens=auto_chunk_tokens(shape, setup, monotone=monotone))
     if rung.tiled:
         setup = setup.with_(mlp_tile=planned_mlp_tile(shape, setup))
-    if rung.paged_weights:
+    if rung.paged_weights and gpus == 1:
         def fits(s: TrainSetup) -> bool:
             est = estimate(shape, _fit_budgets(shape, s, sizing.usable_bytes, sizing.overhead),
                            sizing.overhead)
@@ -209,18 +223,23 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
             return est.total <= sizing.usable_bytes
 
         setup = fit_resident_layers(setup, shape.layers, fits)
-    return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead)
+    return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
 
 
 def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:
     """The table's row of ``rung`` sized as ``setup``."""
     shape = sizing.shape
-    est = estimate(shape, setup, sizing.overhead)
+    est = step_estimate(shape, setup, sizing.overhead, sizing.gpus)
     slow, paging = slowdown(shape, est, gpu_tflops=sizing.gpu_tflops, link_gbps=sizing.link_gbps)
     fits_device = est.total <= sizing.gpu_bytes
     tight = fits_device and est.fits_host and est.total > sizing.usable_bytes
+    args = train_args(setup)
+    if sizing.gpus > 1:  # tightfit train's --batch-size is the global batch
+        args = train_args(setup.with_(batch_size=setup.batch_size * sizing.gpus))
+        if isinstance(est, RankEstimate) and est.sharded:
+            args = ("--fsdp", *args)
     return Row(rung.name, setup, est, fits_device and est.fits_host and not tight, slow,
-               paging, train_args(setup), fits_device=fits_device, fits_host=est.fits_host,
+               paging, args, fits_device=fits_device, fits_host=est.fits_host,
                tight=tight)
 
 
@@ -245,6 +264,7 @@ def plan(
     pinned_fraction: float = PINNED_FRACTION,
     maximize: Maximize | None = None,
     granularity: int = 1,
+    gpus: int = 1,
 ) -> PlanReport:
     """Predict whether fine-tuning ``model`` fits on a ``gpu``-sized device, and how.
 
@@ -279,29 +299,79 @@ def plan(
             with the margin), capped by the model's position limit; ``"batch"``: at the
             largest batch.
         granularity: The maximum is a multiple of this many tokens (sequences).
+        gpus: GPUs of ``gpu`` size: each row one rank of them on ``batch_size / gpus``
+            sequences (the global batch; 1: one a GPU), :mod:`tightfit.planner.ranks`.
 
     Returns:
         A :class:`PlanReport` (``recommended`` is ``None`` when no row fits with the
         margin); ``str(report)`` is the table ``tightfit plan`` prints.
 
     Raises:
-        ValueError: Unknown preset, malformed config, nonsense sizes or options, a
-            ``seq_len`` beyond the model's ``max_position_embeddings``.
+        ValueError: Unknown preset, malformed config, nonsense sizes or options (``gpus``
+            < 1, a batch that does not split over them), a ``seq_len`` beyond the model's
+            ``max_position_embeddings``.
     """
     shape = load_shape(model)
     sizing = _sizing(shape, gpu, overhead, slack, margin, gpu_tflops, link_gbps, host_ram,
                      pinned_fraction)
     _check_search(shape, maximize, seq_len, batch_size, granularity)
-    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch_size=batch_size,
+    sizing = replace(sizing, gpus=check_gpus(gpus))
+    batch = global_batch(batch_size, sizing.gpus)
+    base = TrainSetup(seq_len=min(seq_len, shape.max_positions), batch_size=batch // sizing.gpus,
                       lora_r=lora_r, lora_target_modules=lora_target_modules,
-                      lora_dropout=lora_dropout,
-                      lora_dtype=lora_dtype, lora_compute=lora_compute,  # type: ignore[arg-type]
-                      compute_dtype=compute_dtype)
-    rows, best = _rows(ladder(base), sizing, maximize, granularity)
-    return PlanReport(shape, sizing.gpu_bytes, sizing.overhead, rows, best,
-                      _notes(sizing, maximize, granularity), host=sizing.host,
-                      maximize=maximize, granularity=granularity,
-                      margin_bytes=sizing.margin_bytes, model_dir=model_folder(model))
+                      lora_dropout=lora_dropout, lora_dtype=lora_dtype,
+                      lora_compute=lora_compute, compute_dtype=compute_dtype)  # type: ignore[arg-type]
+    return _report(model, sizing, base, *_rows(ladder(base), sizing, maximize, granularity),
+                   maximize, granularity, batch_size)
+
+
+def _report(model: str | Path | ModelShape | dict[str, Any], sizing: Sizing, base: TrainSetup,
+            rows: tuple[Row, ...], best: Row | None, maximize: Maximize | None,
+            granularity: int, batch_size: int) -> PlanReport:
+    """The :class:`PlanReport` of ``rows``, with the fewest GPUs that fit where asked."""
+    gpus = sizing.gpus
+    fewest = None
+    if maximize is None and (gpus > 1 or best is None):
+        fewest = _fewest(base, sizing, batch_size, (gpus, best))
+    notes = _notes(sizing, maximize, granularity)
+    if base.batch_size * gpus != batch_size:
+        notes += (f"batch: {batch_size} does not split over {gpus} GPUs; planned as one "
+                  f"sequence per GPU (--batch-size {gpus})",)
+    return PlanReport(sizing.shape, sizing.gpu_bytes, sizing.overhead, rows, best, notes,
+                      host=sizing.host, maximize=maximize, granularity=granularity,
+                      margin_bytes=sizing.margin_bytes, model_dir=model_folder(model),
+                      gpus=gpus, fewest=fewest)
+
+
+def _fewest(base: TrainSetup, sizing: Sizing, batch_size: int,
+            known: tuple[int, Row | None]) -> Fewest:
+    """The fewest GPUs of ``sizing``'s size on which some row fits the step (the global
+    ``batch_size``; 1: one sequence per GPU). One GPU is tried first (it alone may stream
+    base weights to the host); beyond it more GPUs never need more bytes a rank (the shards
+    shrink, the rows per rank do not grow), so the counts that split the batch are
+    bisected, up to :data:`MAX_GPUS`."""
+    seen: dict[int, Row | None] = {known[0]: known[1]}
+    counts = [n for n in range(1, MAX_GPUS + 1) if batch_size == 1 or batch_size % n == 0]
+
+    def best(n: int) -> Row | None:
+        if n not in seen:
+            per_rank = 1 if batch_size == 1 else batch_size // n
+            seen[n] = _rows(ladder(base.with_(batch_size=per_rank)),
+                            replace(sizing, gpus=n), None, 1)[1]
+        return seen[n]
+
+    if best(1) is not None:
+        return Fewest(1, best(1), counts[-1])
+    lo, hi = 1, len(counts)  # the first fitting count is in counts[lo:hi], or none
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if best(counts[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(counts):
+        return Fewest(0, None, counts[-1])
+    return Fewest(counts[lo], best(counts[lo]), counts[-1])
 
 
 def _rows(rungs: tuple[Rung, ...], sizing: Sizing, maximize: Maximize | None,
@@ -351,12 +421,18 @@ def _check_search(shape: ModelShape, maximize: Maximize | None, seq_len: int, ba
 def _maximized(rung: Rung, sizing: Sizing, maximize: Maximize, seq_len: int, batch: int,
                granularity: int) -> Row:
     """``rung`` at the longest sequence (at ``batch``) / largest batch (at ``seq_len``)."""
-    def row_at(n: int) -> Row:
-        s, b = (n, batch) if maximize == "seq" else (seq_len, n)
+    gpus = sizing.gpus
+
+    def row_at(n: int) -> Row:  # n: tokens, or the global batch (a multiple of gpus)
+        s, b = (n, batch) if maximize == "seq" else (seq_len, n // gpus)
         return evaluate(rung, sizing, sized(rung, sizing, s, b, monotone=True))
 
-    cap = sizing.shape.max_positions if maximize == "seq" else MAX_BATCH
-    return maximize_row(row_at, cap=cap, granularity=granularity, what=maximize)
+    if maximize == "seq":
+        return maximize_row(row_at, cap=sizing.shape.max_positions, granularity=granularity,
+                            what=maximize)
+    # the global batch splits over the ranks: a multiple of gpus too
+    step = math.lcm(granularity, gpus)
+    return maximize_row(row_at, cap=MAX_BATCH // step * step, granularity=step, what=maximize)
 
 
 def _sizing(shape: ModelShape, gpu: str | int, overhead: str | int, slack: float,

@@ -7,6 +7,7 @@ Examples::
     tightfit plan --model llama-65b --gpu 48GB --seq-len 512 --lora-r 64 --lora-dtype bf16
     tightfit plan --model tiny.json --gpu 256MiB --seq-len 128 --verify
     tightfit plan --model llama-3.1-8b --gpu 24GiB --lora-r 32 --max-seq --host-ram 128GiB
+    tightfit plan --model llama-3.3-70b --gpu 24GiB --gpus 3 --seq-len 2048
 
 ``--verify`` (small configs only) runs one real step of every configuration on this
 machine and prints predicted vs measured bytes per piece. ``--max-seq`` (``--max-batch``)
@@ -18,7 +19,10 @@ is what must fit ``--gpu``) and ``host``, what it keeps in pinned host memory (o
 layer inputs + paged optimizer state; must fit ``--pinned-fraction`` of ``--host-ram``).
 ``fits``: yes (with the safety margin ``--margin`` left free), tight (only inside the
 margin: never recommended), NO (device), HOST (the device fits, the host does not) or n/a. The
-exit code is 1 when no row fits with the margin. With ``--max-seq``
+exit code is 1 when no row fits with the margin. With ``--gpus N`` each row is one rank of
+``torchrun --nproc_per_node N -m tightfit.cli train --fsdp``: its shards, the blocks gathered in
+flight (``gather``), the collectives' buffers (``comm``) and its own rows' activations; a
+line says the fewest GPUs of ``--gpu`` size that fit (also on one GPU when nothing fits). With ``--max-seq``
 the first column is each row's longest sequence and its pieces are at that length; the note
 line under the table says what binds (device, host, or the model's position limit).
 
@@ -120,6 +124,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--granularity", type=int, default=d["granularity"],
                         help="with --max-seq/--max-batch: search to a multiple of this many "
                         f"tokens/sequences (default: {d['granularity']})")
+    parser.add_argument("--gpus", type=int, default=d["gpus"], metavar="N",
+                        help="GPUs of --gpu size (torchrun --nproc_per_node N ... train --fsdp): "
+                        "every figure is one rank's, on --batch-size / N sequences (the global "
+                        "batch, as tightfit train's; 1 on N GPUs: one a GPU), and the fewest "
+                        f"GPUs that fit is said (default: {d['gpus']})")
+    _add_output(parser)
+
+
+def _add_output(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verify", action="store_true",
                         help="small configs only: run one real step of each configuration on "
@@ -154,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         overhead=args.overhead, slack=args.slack, gpu_tflops=args.gpu_tflops,
         link_gbps=args.link_gbps, host_ram=args.host_ram, pinned_fraction=args.pinned_fraction,
         maximize="seq" if args.max_seq else "batch" if args.max_batch else None,
-        granularity=args.granularity,
+        granularity=args.granularity, gpus=args.gpus,
     )
     if args.verify and report.shape.num_params() > _VERIFY_MAX_PARAMS:
         raise ValueError(

@@ -1,5 +1,6 @@
 """The ladder's answer (:class:`PlanReport`, one :class:`Row` per configuration) and the table
-``tightfit plan`` prints of it (text or ``--json``)."""
+``tightfit plan`` prints of it (text or ``--json``); on more than one GPU, per rank
+(:mod:`tightfit.planner.ranks`), with the fewest GPUs that fit (:class:`Fewest`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from tightfit.measure.sizes import format_bytes
 from tightfit.planner.estimate import Estimate, Overhead
 from tightfit.planner.host import HostLimit
 from tightfit.planner.presets import ModelShape
+from tightfit.planner.ranks import RankEstimate
 from tightfit.planner.train_setup import RECOMPUTED, TrainSetup
 
 # The figures of a row in --json: null for a configuration that does not apply
 _FIGURES = ("total_bytes", "pieces_bytes", "host_bytes", "host_activation_bytes",
             "optimizer_offloaded_bytes", "host_weight_bytes", "paging_bytes_per_step", "slowdown",
             "recompute_fraction", "checkpoint_segments", "segments")
+# torchrun's form of the train line, on more than one GPU
+TORCHRUN = "torchrun --nproc_per_node {n} -m tightfit.cli train"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class Row:
             # [start, stop, kind] per segment, kinds as tightfit.checkpoint.plan names them
             "segments": [[s.start, s.stop, s.kind] for s in e.segments],
         }
+        if isinstance(e, RankEstimate):  # one rank of several
+            figures.update(ranks=e.ranks, sharded=e.sharded, ddp=e.ddp,
+                           start_peak_bytes=e.start_peak, block_bytes=e.block_bytes,
+                           root_bytes=e.root_bytes)
         return {
             "name": self.name,
             "fits": self.fits,
@@ -88,8 +96,32 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Fewest:
+    """The fewest GPUs of the plan's size on which a row fits the step.
+
+    Attributes:
+        gpus: That count; 0 when none up to ``searched_to`` does.
+        row: The row recommended there (per rank), ``None`` when none fits.
+        searched_to: The largest count tried (the batch must split over it).
+    """
+
+    gpus: int
+    row: Row | None
+    searched_to: int
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.row
+        return {"gpus": self.gpus, "searched_to": self.searched_to,
+                "row": None if r is None else r.name,
+                "total_bytes": None if r is None or r.estimate is None else r.estimate.total,
+                "train_args": None if r is None else list(r.train_args)}
+
+
+@dataclass(frozen=True)
 class PlanReport:
-    """The answer of :func:`plan`: every configuration, and the one to use."""
+    """The answer of :func:`plan`: every configuration, and the one to use; with ``gpus``
+    > 1 every figure is one rank's; ``fewest``: the fewest GPUs that fit (``None``: not
+    searched: one GPU that fits, or a ``maximize`` plan)."""
 
     shape: ModelShape
     gpu_bytes: int
@@ -102,6 +134,8 @@ class PlanReport:
     granularity: int = 1
     margin_bytes: int = 0
     model_dir: str | None = None  # the model folder, when plan was given one (or its config)
+    gpus: int = 1
+    fewest: Fewest | None = None
 
     def to_dict(self) -> dict[str, Any]:
         host = self.host
@@ -121,6 +155,8 @@ class PlanReport:
             "recommended": None if self.recommended is None else self.recommended.name,
             "model_dir": self.model_dir,
             "notes": list(self.notes),
+            "gpus": self.gpus,
+            "fewest": None if self.fewest is None else self.fewest.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -137,6 +173,12 @@ _COLUMNS = (
     ("logits", "logits_loss"),
     ("overhd", "overhead"),
 )
+# per rank of several: the parameters gathered in flight and the collectives' buffers
+_RANK_COLUMNS = (*_COLUMNS[:5], ("gather", "gathered"), ("comm", "comm"), *_COLUMNS[5:])
+
+
+def _columns(report: PlanReport) -> tuple[tuple[str, str], ...]:
+    return _RANK_COLUMNS if report.gpus > 1 else _COLUMNS
 
 
 def _unit(gpu_bytes: int) -> tuple[str, int]:
@@ -168,6 +210,9 @@ def _header_lines(report: PlanReport) -> list[str]:
                else f"{setup.seq_len} tokens")
         targets = ("all linears" if setup.lora_target_modules == "all-linear"
                    else ",".join(setup.lora_target_modules))
+        if report.gpus > 1 and report.maximize != "batch":
+            batch = (f"batch {setup.batch_size * report.gpus} ({setup.batch_size} per rank of "
+                     f"{report.gpus})")
         lines.append(
             f"step: {batch} x {seq}, {setup.compute_dtype} compute, "
             f"LoRA r={setup.lora_r} on {targets} ({setup.lora_dtype} adapters)"
@@ -176,7 +221,14 @@ def _header_lines(report: PlanReport) -> list[str]:
     host = ""
     if report.host is not None:
         host = f", host {format_bytes(report.host.budget)} pinned"
-    lines.append(f"device: {format_bytes(report.gpu_bytes)}{host}   (sizes below in {unit})")
+        if report.gpus > 1:
+            host += f" ({format_bytes(report.host.budget // report.gpus)} a rank)"
+    if report.gpus > 1:
+        lines.append(f"devices: {report.gpus} x {format_bytes(report.gpu_bytes)}{host}   "
+                     f"(sizes below per rank, in {unit}; torchrun --nproc_per_node "
+                     f"{report.gpus}, FSDP2)")
+    else:
+        lines.append(f"device: {format_bytes(report.gpu_bytes)}{host}   (sizes below in {unit})")
     return lines
 
 
@@ -187,7 +239,8 @@ def _table_lines(report: PlanReport) -> list[str]:
     maxed = report.maximize is not None
     first = f"{'max ' + report.maximize:>10}" if maxed else ""
     header = f"{'#':>2} {'configuration':<{name_w}}{first}"
-    header += "".join(f"{c:>8}" for c, _ in _COLUMNS)
+    columns = _columns(report)
+    header += "".join(f"{c:>8}" for c, _ in columns)
     header += f"{'total':>8}{'host':>8}  {'fits':<5} {'slowdown':>8}"
     lines = [header, "-" * len(header)]
     for i, r in enumerate(rows, 1):
@@ -195,13 +248,13 @@ def _table_lines(report: PlanReport) -> list[str]:
         line = f"{i:>2}{mark}{r.name:<{name_w}}"
         e = r.estimate
         if e is None:  # does not apply: no figures (the note line says why)
-            line += (f"{'-':>10}" if maxed else "") + f"{'-':>8}" * (len(_COLUMNS) + 2)
+            line += (f"{'-':>10}" if maxed else "") + f"{'-':>8}" * (len(columns) + 2)
             lines.append(line + f"  {_fits(r):<5} {'-':>8}")
             continue
         if maxed:
             line += f"{r.maximum or 0:>10,}"
         p = e.pieces()
-        line += "".join(f"{p[k] / scale:>8.2f}" for _, k in _COLUMNS)
+        line += "".join(f"{p[k] / scale:>8.2f}" for _, k in columns)
         line += f"{e.total / scale:>8.2f}{e.host / scale:>8.2f}"
         line += f"  {_fits(r):<5} {r.slowdown:>7.2f}x"
         lines.append(line)
@@ -212,7 +265,7 @@ def _row_notes(r: Row, layers: int) -> list[str]:
     e, setup = r.estimate, r.setup
     if e is None:
         return [f"n/a: {r.not_applicable}"]
-    extra = []
+    extra = _rank_notes(e)
     if r.limit is not None:
         extra.append(f"limit: {r.limit}")
     if e.segments and setup.checkpoint != "none":
@@ -238,6 +291,54 @@ def _row_notes(r: Row, layers: int) -> list[str]:
     return extra
 
 
+def _rank_notes(e: Estimate) -> list[str]:
+    """How one rank's bytes come about (none on one GPU)."""
+    if not isinstance(e, RankEstimate) or e.ranks == 1:
+        return []
+    if e.ddp is not None:
+        return [f"DDP only: {e.ddp}"]
+    text = (f"FSDP2: everything sharded 1/{e.ranks}; gathered: the root (head, final norm) "
+            f"{format_bytes(e.root_bytes)} + 2 blocks of {format_bytes(e.block_bytes)}")
+    if e.start_peak >= sum(e.pieces().values()):
+        text += f"; peak at the embedding's gather (forward's start): {format_bytes(e.start_peak)}"
+    return [text]
+
+
+def _command(report: PlanReport, r: Row) -> str:
+    """The train line of ``r``: torchrun's form on more than one GPU."""
+    # the folder plan read the config of; DIR for a preset (its weights are not here)
+    model = "DIR" if report.model_dir is None else shlex.quote(report.model_dir)
+    args = list(r.train_args)
+    n = r.estimate.ranks if isinstance(r.estimate, RankEstimate) else 1
+    lead = TORCHRUN.format(n=n) if n > 1 else "tightfit train"
+    fsdp = ["--fsdp"] if args[:1] == ["--fsdp"] else []
+    return " ".join([lead, *fsdp, "--model", model,
+                     *(shlex.quote(a) for a in args[len(fsdp):])])
+
+
+def _fewest_lines(report: PlanReport) -> list[str]:
+    """The fewest GPUs of this size that fit the step, and their train line."""
+    f = report.fewest
+    if f is None:
+        return []
+    size = format_bytes(report.gpu_bytes)
+    if f.gpus == 0 or f.row is None or f.row.estimate is None:
+        return [f"fewest GPUs: none up to {f.searched_to} x {size} fits this step (a rank's "
+                "own rows still need their activations); try a shorter --seq-len or a larger "
+                "--gpu"]
+    r = f.row
+    names = [x.name for x in report.rows]
+    number = f"#{names.index(r.name) + 1} " if r.name in names else ""
+    where = (" (this plan)" if f.gpus == report.gpus
+             else f" (its table: tightfit plan ... --gpus {f.gpus})")
+    per = " per rank" if f.gpus > 1 else ""
+    lines = [f"fewest GPUs: {f.gpus} x {size} — {number}{r.name}, "
+             f"{format_bytes(r.estimate.total)} predicted{per}{where}"]
+    if f.gpus != report.gpus:
+        lines.append("  " + _command(report, r))
+    return lines
+
+
 def _answer_lines(report: PlanReport) -> list[str]:
     rows = report.rows
     r = report.recommended
@@ -253,11 +354,10 @@ def _answer_lines(report: PlanReport) -> list[str]:
         lines = [f"recommended: #{rows.index(r) + 1} {r.name} — "
                  f"{format_bytes(r.estimate.total)} predicted, "
                  f"{format_bytes(headroom)} to spare, ~{r.slowdown:.2f}x step time"]
-    # the folder plan read the config of; DIR for a preset (its weights are not here)
-    model = "DIR" if report.model_dir is None else shlex.quote(report.model_dir)
-    lines.append(f"  tightfit train --model {model} "
-                 + " ".join(shlex.quote(a) for a in r.train_args))
-    return lines
+    if report.gpus > 1:
+        lines[0] = lines[0].replace(" predicted", " predicted per rank", 1)
+    lines.append("  " + _command(report, r))
+    return lines + _fewest_lines(report)
 
 
 def _nothing_fits(report: PlanReport) -> list[str]:
@@ -274,12 +374,12 @@ def _nothing_fits(report: PlanReport) -> list[str]:
         lines = [f"nothing fits at even {report.granularity} {unit}: {need}; try a larger --gpu."]
     else:
         lines = [f"nothing fits: {need}; try a shorter --seq-len, a smaller --batch-size or a "
-                 "larger --gpu."]
+                 "larger --gpu" + (", or more GPUs (--gpus)" if report.fewest else "") + "."]
     tight = [f"#{rows.index(t) + 1}" for t in rows if t.tight]
     if tight:
         lines.append(f"  tight (fits only inside the margin): {', '.join(tight)}; --margin 0 "
                      "accepts it at the risk of running out of memory")
-    return lines
+    return lines + _fewest_lines(report)
 
 
 def render(report: PlanReport) -> str:

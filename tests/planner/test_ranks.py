@@ -1,0 +1,150 @@
+"""tightfit plan --gpus N: one rank's bytes under FSDP2 (tightfit.planner.ranks), the fewest
+GPUs that fit, and the per-rank prediction beside the runtime's measured per-rank base."""
+
+from __future__ import annotations
+
+import pytest
+
+from tightfit.planner.ladder import plan
+from tightfit.planner.presets import load_shape
+from tightfit.planner.ranks import (
+    GATHERED_BLOCKS,
+    RankEstimate,
+    global_batch,
+    rank_estimate,
+    unit_bytes,
+)
+from tightfit.planner.train_setup import TrainSetup
+from tightfit.qlora.shardable import REPLICATED_BYTES
+
+# benchmarks/fsdp_qlora.py's model (tightfit.distributed.qlora_check.write_tiny_model at
+# --layers 8 --hidden 256) and its per-rank base bytes, benchmarks/results/fsdp_qlora.md
+# (commit aaf0c84): rank 0's held shards on 2 and 4 gloo ranks, the whole base, the most
+# base bytes gathered at once
+TINY = {"model_type": "llama", "vocab_size": 67, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "tie_word_embeddings": False}
+KIB = 1024
+MEASURED_HELD = {2: 1188.6 * KIB, 4: 594.3 * KIB}
+MEASURED_WHOLE = 2377.1 * KIB
+MEASURED_GATHERED = {2: 297.1 * KIB, 4: 297.2 * KIB}
+
+
+def _base_only(shape, setup, ranks):  # noqa: ANN001, ANN202
+    """Predicted 4-bit base bytes (codes, absmax, nested absmax): a rank's, one block's."""
+    u = unit_bytes(shape, setup)
+    norms = shape.traits.norms * shape.hidden * setup.d  # a block's unquantized weights
+    est = rank_estimate(shape, setup, None, ranks)
+    non_base = (u.rotary + -(-u.head // ranks) + -(-u.embed // ranks)
+                + shape.layers * (-(-norms // ranks) + u.replicated))
+    return est.weights + est.constants - non_base, u.weights - norms + u.constants
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_per_rank_base_within_10_percent_of_the_measured(ranks: int) -> None:
+    shape = load_shape(TINY)
+    setup = TrainSetup(seq_len=16, batch_size=4 // ranks, lora_r=4)
+    held, block = _base_only(shape, setup, ranks)
+    assert held == pytest.approx(MEASURED_HELD[ranks], rel=0.10)
+    assert block == pytest.approx(MEASURED_GATHERED[ranks], rel=0.10)
+    assert shape.layers * block == pytest.approx(MEASURED_WHOLE, rel=0.01)
+    # (exact here: 1188.56 / 594.28 KiB held, 297.14 KiB a block)
+    assert abs(held - MEASURED_HELD[ranks]) < 0.1 * KIB
+
+
+def test_replicated_constants_are_the_runtimes() -> None:
+    shape = load_shape(TINY)
+    u = unit_bytes(shape, TrainSetup(seq_len=16, lora_r=4))
+    assert u.replicated == len(shape.weight_shapes()) * REPLICATED_BYTES
+
+
+def test_one_gpu_is_todays_plan() -> None:
+    a = plan("llama-3.1-8b", "24GiB", seq_len=4096)
+    b = plan("llama-3.1-8b", "24GiB", seq_len=4096, gpus=1)
+    assert str(a) == str(b)
+    assert [r.estimate.pieces() for r in a.rows] == [r.estimate.pieces() for r in b.rows]
+    assert not any(isinstance(r.estimate, RankEstimate) for r in b.rows)
+    assert b.fewest is None  # it fits one GPU: nothing searched, nothing printed
+
+
+def test_two_ranks_shard_and_gather() -> None:
+    shape = load_shape("llama-3.1-8b")
+    setup = TrainSetup(seq_len=2048, checkpoint="every")
+    one = rank_estimate(shape, setup, None, 1)
+    two = rank_estimate(shape, setup, None, 2)
+    u = unit_bytes(shape, setup)
+    assert two.weights == pytest.approx(one.weights / 2, rel=0.01)
+    assert two.lora == pytest.approx(one.lora / 2, rel=0.01)
+    assert two.optimizer == pytest.approx(one.optimizer / 2, rel=0.01)
+    assert two.gathered == u.head + GATHERED_BLOCKS * u.block
+    assert two.grads == two.lora + u.lora and two.comm == u.lora
+    assert two.activations == one.activations  # the same rows per rank
+    assert two.total < one.total - 3 * 2**30  # half of the 5.2 GiB base + more
+    # the start of forward: the untied embedding gathered beside the root, twice
+    assert two.start_peak > two.weights + two.constants + u.head + 2 * u.embed
+
+
+def test_70b_needs_three_24gib_gpus_and_the_plan_says_so() -> None:
+    one = plan("llama-3.3-70b", "24GiB", seq_len=2048)
+    assert one.recommended is None and one.fewest is not None and one.fewest.gpus == 3
+    text = str(one)
+    assert "fewest GPUs: 3 x 24.0 GiB" in text
+    assert "torchrun --nproc_per_node 3 -m tightfit.cli train --fsdp --model DIR" in text
+    two = plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=2)
+    assert two.recommended is None and two.fewest.gpus == 3
+    assert "per rank" in str(two) and "gather" in str(two)
+
+
+def test_global_batch_splits_per_rank_and_the_command_is_torchruns() -> None:
+    report = plan("llama-3.1-8b", "24GiB", seq_len=4096, batch_size=4, gpus=2)
+    r = report.recommended
+    assert r is not None and r.setup.batch_size == 2
+    args = list(r.train_args)
+    assert args[0] == "--fsdp" and args[args.index("--batch-size") + 1] == "4"
+    assert "torchrun --nproc_per_node 2 -m tightfit.cli train --fsdp" in str(report)
+    assert "fewest GPUs: 1 x 24.0 GiB" in str(report)
+    d = report.to_dict()
+    assert d["gpus"] == 2 and d["rows"][0]["ranks"] == 2 and d["fewest"]["gpus"] == 1
+
+
+def test_moe_4bit_rows_are_ddp_only() -> None:
+    report = plan("mixtral-8x7b", "80GiB", seq_len=1024, gpus=2)
+    by_quant = {r.setup.quant: r for r in report.rows}
+    ddp = by_quant["nf4"].estimate
+    assert isinstance(ddp, RankEstimate) and not ddp.sharded and "MoE" in ddp.ddp
+    assert "--fsdp" not in by_quant["nf4"].train_args
+    assert by_quant["none"].estimate.sharded
+    assert "DDP only" in str(report)
+
+
+def test_max_batch_counts_the_global_batch_in_multiples_of_the_gpus() -> None:
+    report = plan("llama-3.1-8b", "24GiB", seq_len=2048, maximize="batch", gpus=2)
+    for r in report.rows:
+        assert r.maximum % 2 == 0 and r.setup.batch_size * 2 == max(r.maximum, 2)
+
+
+def test_max_seq_on_two_gpus() -> None:
+    report = plan("qwen3-0.6b", "8GiB", maximize="seq", gpus=2, host_ram="64GiB")
+    assert report.recommended is not None and report.recommended.maximum > 0
+    assert all(r.setup.batch_size == 1 for r in report.rows)
+
+
+@pytest.mark.parametrize("gpus", [0, -2, 1.5, "2", True])
+def test_bad_gpus_refused_naming_the_fix(gpus: object) -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        plan("qwen3-0.6b", "24GiB", gpus=gpus)  # type: ignore[arg-type]
+
+
+def test_a_batch_that_does_not_split_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"--batch-size 2 or 4"):
+        plan("qwen3-0.6b", "24GiB", batch_size=3, gpus=2)
+    assert global_batch(1, 4) == 4 and global_batch(8, 4) == 8 and global_batch(3, 1) == 3
+    with pytest.raises(ValueError, match=r"--batch-size 4\b"):
+        global_batch(2, 4)
+
+
+def test_cli_takes_gpus() -> None:
+    from tightfit.cli import build_parser
+
+    args = build_parser("plan").parse_args(["plan", "--model", "qwen3-0.6b", "--gpus", "2"])
+    assert args.gpus == 2

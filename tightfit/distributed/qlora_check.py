@@ -53,7 +53,7 @@ class QloraCheck:
     checkpoint: str = "every"
     offload: str = "none"  # "inputs"/"all": each checkpointed segment's tensors to disk (CPU)
     mlp_tile: int = 0  # tokens per tile of each MLP; 0: untiled
-    quant: str = "nf4"
+    quant: str = "nf4"  # "nf4", "fp4" or "none" (a frozen full-precision base)
     double_quant: bool = True
     resume_from: str = ""
     model: str = ""  # safetensors folder; default OUT/model, written when missing
@@ -90,7 +90,8 @@ def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
     from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 
     options = PrepareOptions(
-        quant=opts.quant, double_quant=opts.double_quant, checkpoint=opts.checkpoint,
+        quant=None if opts.quant == "none" else opts.quant,  # type: ignore[arg-type]
+        double_quant=opts.double_quant, checkpoint=opts.checkpoint,
         loss_chunks=8, offload=opts.offload, mlp_tile=opts.mlp_tile or None,
         offload_dir=os.path.join(opts.out, f"offload-rank{info.rank}"),
     )  # type: ignore[arg-type]  # fmt: skip

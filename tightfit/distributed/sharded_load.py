@@ -85,7 +85,13 @@ def load_sharded(
                                         double_quant=options.double_quant,
                                         compute_dtype=cdtype)  # fmt: skip
     if lora is not None:
+        # a full-precision frozen linear on meta would pull its new adapter onto meta (peft
+        # moves adapters to their base weight's device): a CPU placeholder while peft wraps,
+        # of the dtype prepare's base has by then (peft casts adapters to it, as there)
+        stashed = {} if quantized else _placeholder_weights(model, cdtype)
         model = _add_lora(model, lora, quantized)
+        for layer, weight in stashed.items():
+            layer.weight = weight
     adapted = [n.removeprefix("base_model.model.") for n, m in model.named_modules()
                if hasattr(m, "lora_A")]  # fmt: skip
     if options.loss_chunks is not None:
@@ -116,6 +122,14 @@ def check_fsdp_model(model: nn.Module, options: PrepareOptions, lora: LoraOption
             "weights are stored in 4 bits with their constants as buffers, which tightfit's "
             "sharded loading does not cut yet; train it without --fsdp, or with --quant none"
         )
+    from transformers.pytorch_utils import Conv1D
+
+    if options.quant is None and lora is not None and any(
+            isinstance(m, Conv1D) for m in model.modules()):  # fmt: skip
+        raise ValueError(
+            "--fsdp --quant none cannot load this model's GPT-2 Conv1D layers shard by shard "
+            "(peft sizes their adapters from the weight, which is not loaded yet); quantize "
+            "them (--quant nf4) or drop --fsdp")
     if lora is not None and lora.target_modules != "all-linear":
         names = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         if not set(lora.target_modules) & names:
@@ -179,6 +193,16 @@ def _add_lora(model: nn.Module, lora: LoraOptions, quantized: list[str]) -> nn.M
             if "lora_" in name:
                 p.data = p.data.to(torch_dtype(lora.dtype))
     return peft_model
+
+
+def _placeholder_weights(model: nn.Module, dtype: torch.dtype) -> dict[nn.Module, nn.Parameter]:
+    """Swap each frozen ``nn.Linear``'s meta weight for an empty CPU one; the meta ones."""
+    stashed = {}
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear and m.weight.is_meta:
+            stashed[m] = m.weight
+            m.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    return stashed
 
 
 def _linear4bit(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit]]:

@@ -145,10 +145,11 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
     each chunk fed to its stripe's streaming XXH3 from ``dst`` while it is still in the core's
     cache, so hashing costs XXH3's in-cache speed and no second read of RAM; the stripes go to
     the calling thread (the copy worker) and the hash pool in turn, as :func:`page_checksum`'s
-    do, and their digests combine as there. Spreading the stripes keeps a page's faults on
-    the spill map in parallel (two stripes read from disk at once when the file is not in the
-    page cache); in the page cache a helper that is late finds no stripe left and costs
-    nothing (``benchmarks/results/checksums.md`` has both).
+    do, and their digests combine as there. Spreading the stripes takes a page's faults on
+    the spill map on two threads at once (two stripes read from disk when the file is not in
+    the page cache), as the striped torch copy before the chunked one did; a helper that is
+    late finds no stripe left and is cancelled. What it costs and saves, measured on a loaded
+    machine, is in ``benchmarks/results/checksums.md`` and ``docs/paging.md``.
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_and_checksum: {dst.numel()} bytes to {src.numel()}")

@@ -105,6 +105,8 @@ if [ "${NGPU:-0}" -ge 2 ]; then
     --batch-size 4 --seq-len 64 --device-budget 256KiB --page-bytes 64KiB \
     --out "$DIST_OUT/train" 2>&1 | tee -a "$LOG" | tail -12 || status=1
   rm -rf "$DIST_OUT"
+  section "distributed: the 4-bit base sharded by FSDP2 (benchmarks/gpu_check_fsdp.sh)"
+  timeout 420 bash benchmarks/gpu_check_fsdp.sh 2>&1 | tee -a "$LOG" | tail -20 || status=1
 else
   section "distributed: skipped (${NGPU:-0} GPU visible; the 2-GPU FSDP2/DDP cases need 2)"
 fi

@@ -148,3 +148,22 @@ def test_cli_takes_gpus() -> None:
 
     args = build_parser("plan").parse_args(["plan", "--model", "qwen3-0.6b", "--gpus", "2"])
     assert args.gpus == 2
+
+
+def test_verify_with_gpus_is_refused_before_planning() -> None:
+    from tightfit.cli import build_parser
+    from tightfit.planner.plan_command import run
+
+    args = build_parser("plan").parse_args(
+        ["plan", "--model", "qwen3-0.6b", "--gpus", "2", "--verify"])
+    with pytest.raises(ValueError, match="drop --gpus"):
+        run(args)
+
+
+def test_max_seq_that_fits_nothing_says_how_many_gpus_would() -> None:
+    # the 70B's head, embeddings (gathered twice at forward's start) and overhead alone
+    # outgrow an 8 GiB rank: no count fits
+    report = plan("llama-3.3-70b", "8GiB", maximize="seq", host_ram="256GiB")
+    assert report.recommended is None and report.fewest is not None
+    assert report.fewest.gpus == 0 and report.fewest.searched_to == 64
+    assert "fewest GPUs: none up to 64 x 8.00 GiB" in str(report)

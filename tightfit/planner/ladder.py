@@ -332,7 +332,10 @@ def _report(model: str | Path | ModelShape | dict[str, Any], sizing: Sizing, bas
     gpus = sizing.gpus
     fewest = None
     if maximize is None and (gpus > 1 or best is None):
-        fewest = _fewest(base, sizing, batch_size, (gpus, best))
+        fewest = _fewest(base, sizing, batch_size, {gpus: best})
+    elif best is None:  # not even the smallest step fits: how many GPUs it would take
+        smallest = base.with_(seq_len=min(granularity, base.seq_len)) if maximize == "seq" else base
+        fewest = _fewest(smallest, sizing, 1 if maximize == "batch" else batch_size, {})
     notes = _notes(sizing, maximize, granularity)
     if base.batch_size * gpus != batch_size:
         notes += (f"batch: {batch_size} does not split over {gpus} GPUs; planned as one "
@@ -344,13 +347,13 @@ def _report(model: str | Path | ModelShape | dict[str, Any], sizing: Sizing, bas
 
 
 def _fewest(base: TrainSetup, sizing: Sizing, batch_size: int,
-            known: tuple[int, Row | None]) -> Fewest:
+            seen: dict[int, Row | None]) -> Fewest:
     """The fewest GPUs of ``sizing``'s size on which some row fits the step (the global
     ``batch_size``; 1: one sequence per GPU). One GPU is tried first (it alone may stream
     base weights to the host); beyond it more GPUs never need more bytes a rank (the shards
     shrink, the rows per rank do not grow), so the counts that split the batch are
-    bisected, up to :data:`MAX_GPUS`."""
-    seen: dict[int, Row | None] = {known[0]: known[1]}
+    bisected, up to :data:`MAX_GPUS`. ``seen``: counts already planned (their recommended
+    row, ``None`` when none fits)."""
     counts = [n for n in range(1, MAX_GPUS + 1) if batch_size == 1 or batch_size % n == 0]
 
     def best(n: int) -> Row | None:

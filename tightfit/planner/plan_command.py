@@ -158,6 +158,12 @@ def run(args: argparse.Namespace) -> int:
     """
     from tightfit.planner.ladder import DEFAULT_MARGIN, plan
 
+    if args.verify and args.gpus != 1:
+        raise ValueError(
+            f"--verify runs every configuration in this one process, not as {args.gpus} ranks; "
+            "drop --gpus to verify the one-GPU rows (a rank's base is measured by "
+            "benchmarks/fsdp_qlora.py under torchrun)."
+        )
     report = plan(
         args.model, args.gpu, seq_len=args.seq_len, batch_size=args.batch_size,
         lora_r=args.lora_r, lora_target_modules=_targets(args.lora_target_modules),

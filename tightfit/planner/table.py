@@ -297,10 +297,11 @@ def _rank_notes(e: Estimate) -> list[str]:
         return []
     if e.ddp is not None:
         return [f"DDP only: {e.ddp}"]
-    text = (f"FSDP2: everything sharded 1/{e.ranks}; gathered: the root (head, final norm) "
+    head = "head = embeddings" if e.shape.tie_embeddings else "head"
+    text = (f"FSDP2: everything sharded 1/{e.ranks}; gathered: the root ({head}, final norm) "
             f"{format_bytes(e.root_bytes)} + 2 blocks of {format_bytes(e.block_bytes)}")
     if e.start_peak >= sum(e.pieces().values()):
-        text += f"; peak at the embedding's gather (forward's start): {format_bytes(e.start_peak)}"
+        text += f"; peak at forward's start (the embeddings gathered): {format_bytes(e.start_peak)}"
     return [text]
 
 
@@ -323,9 +324,9 @@ def _fewest_lines(report: PlanReport) -> list[str]:
         return []
     size = format_bytes(report.gpu_bytes)
     if f.gpus == 0 or f.row is None or f.row.estimate is None:
-        return [f"fewest GPUs: none up to {f.searched_to} x {size} fits this step (a rank's "
-                "own rows still need their activations); try a shorter --seq-len or a larger "
-                "--gpu"]
+        return [f"fewest GPUs: none up to {f.searched_to} x {size} fits this step (what a "
+                "rank gathers, the head, the embeddings and two blocks, and its own rows' "
+                "activations do not shrink with more GPUs); try a larger --gpu"]
     r = f.row
     names = [x.name for x in report.rows]
     number = f"#{names.index(r.name) + 1} " if r.name in names else ""
@@ -374,7 +375,8 @@ def _nothing_fits(report: PlanReport) -> list[str]:
         lines = [f"nothing fits at even {report.granularity} {unit}: {need}; try a larger --gpu."]
     else:
         lines = [f"nothing fits: {need}; try a shorter --seq-len, a smaller --batch-size or a "
-                 "larger --gpu" + (", or more GPUs (--gpus)" if report.fewest else "") + "."]
+                 "larger --gpu" + (", or more GPUs (--gpus)" if report.fewest and report.fewest.gpus > report.gpus
+                     else "") + "."]
     tight = [f"#{rows.index(t) + 1}" for t in rows if t.tight]
     if tight:
         lines.append(f"  tight (fits only inside the margin): {', '.join(tight)}; --margin 0 "

@@ -11,10 +11,14 @@ store's placement, budgets, traffic and staging — not CUDA itself
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
+from tightfit.tiers.copy import CopyQueue, CudaCopyEngine
 
 from .counting import CountingCudaEngine, count_copies
 
@@ -107,3 +111,60 @@ def test_re_planning_drops_old_staging_buffers(accelerator) -> None:
         ours[0].grad = torch.randn_like(ours[0])
         opt.step()
         assert len(opt.pager.engine._staging) <= len(opt.pager.slots)
+
+
+class _Recording:
+    """A spill-file-like home (host bytes, read and written by the engine's queue) that
+    records the thread of each read and write."""
+
+    def __init__(self, nbytes: int, fill: int = 0) -> None:
+        self.bytes = torch.frombuffer(bytearray([fill]) * nbytes, dtype=torch.uint8)  # not device
+        self.threads: list[int] = []
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        self.threads.append(threading.get_ident())
+        dst.copy_(self.bytes)
+
+    def write_from(self, src: torch.Tensor) -> None:
+        self.threads.append(threading.get_ident())
+        self.bytes.copy_(src)
+
+
+def test_staged_copies_run_on_the_worker_never_on_the_stepping_thread(strict_cuda) -> None:
+    """A staged write-back waits for its device-to-host copy (an event synchronize) before it
+    writes the home: run by the stepping thread, that is a host sync per page on disk. Before,
+    a thread that waited for the queue ran the queued copies itself whenever the worker had
+    not woken yet (one event synchronize per write-back here)."""
+    engine = CudaCopyEngine(torch.device("cuda", 0))
+    slot = torch.empty(4096, dtype=torch.uint8)  # device memory (the emulation's)
+    slot.fill_(7)
+    first = _Recording(4096)
+    try:
+        engine.store(slot, first)
+        engine.drain()  # the worker is started
+        time.sleep(0.05)  # and idle: a waiter that helps the queue would find the copies first
+        homes = [_Recording(4096) for _ in range(8)]
+        before = strict_cuda.sync_count()
+        for home in homes:
+            engine.store(slot, home)
+        engine.drain()
+        source = _Recording(4096, fill=3)
+        stall = engine.wait(engine.load(source, slot))  # a staged load: the read, then H2D
+        assert strict_cuda.sync_count() == before, dict(strict_cuda.syncs)
+        assert stall >= 0.0
+        main = threading.get_ident()
+        assert all(t != main for h in [first, *homes, source] for t in h.threads)
+        assert all(bool((h.bytes == 7).all()) for h in homes)
+        engine.synchronize()
+        assert bool((slot == 3).all())
+    finally:
+        engine.close()
+
+
+def test_a_queue_without_helpers_runs_on_the_waiter_once_its_worker_stopped() -> None:
+    queue = CopyQueue(help_waiters=False)
+    ran: list[int] = []
+    queue.submit(lambda: ran.append(threading.get_ident())).result()
+    queue.close()  # the worker has stopped: a later copy must not wait for it for ever
+    queue.submit(lambda: ran.append(threading.get_ident())).result()
+    assert ran[0] != threading.get_ident() and ran[1] == threading.get_ident()

@@ -84,17 +84,20 @@ class CopyQueue:
     """A FIFO of copies run one at a time by a worker thread, or by the waiting thread.
 
     Tasks run strictly in order and never two at once (a slot's write-back always lands
-    before the slot is refilled). A thread that waits for a task the worker has not started
-    runs the queue up to it itself: on a busy machine the worker may not be scheduled for
-    milliseconds, and waiting for it to wake is pure loss; when it is running, the copies
-    overlap with the update.
+    before the slot is refilled). With ``help_waiters`` (the CPU engine), a thread that waits
+    for a task the worker has not started runs the queue up to it itself: on a busy machine
+    the worker may not be scheduled for milliseconds, and waiting for it to wake is pure loss;
+    when it is running, the copies overlap with the update. Without it (CUDA's engine, whose
+    write-backs wait for device events) only the worker runs tasks, until it has stopped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, help_waiters: bool = True) -> None:
         self._tasks: deque[CopyTask] = deque()
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
+        self._help = help_waiters
+        self._working = False  # a worker thread is running (set and cleared under the lock)
         self._thread: threading.Thread | None = None  # started on the first copy
 
     def submit(self, fn: Callable[..., object], *args: object) -> CopyTask:
@@ -102,6 +105,7 @@ class CopyQueue:
         task = CopyTask(self, lambda: fn(*args))
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="tightfit-pager", daemon=True)
+            self._working = True
             self._thread.start()
         with self._cond:
             self._tasks.append(task)
@@ -127,6 +131,8 @@ class CopyQueue:
                 task = self._take()
                 while task is None:
                     if self._closed and not self._tasks:
+                        self._working = False
+                        self._cond.notify_all()  # a waiter without help runs what comes later
                         return
                     self._cond.wait()
                     task = self._take()
@@ -134,12 +140,12 @@ class CopyQueue:
             self._finish(task)
 
     def wait(self, task: CopyTask) -> None:
-        """Return once ``task`` has run, running queued tasks here if the worker is idle."""
+        """Return once ``task`` has run (run here if waiters help, or the worker stopped)."""
         while True:
             with self._cond:
                 if task.done:
                     return
-                mine = self._take()
+                mine = self._take() if self._help or not self._working else None
                 if mine is None:
                     self._cond.wait()
                     continue
@@ -164,8 +170,10 @@ class CopyEngine:
     is never refilled before its previous page was written back.
     """
 
+    _help_queue = True  # the waiting thread may run queued copies (CopyQueue's help_waiters)
+
     def __init__(self) -> None:
-        self._pool = CopyQueue()
+        self._pool = CopyQueue(help_waiters=self._help_queue)
         self._pending: list[CopyTask] = []
 
     def load(self, home: torch.Tensor | Home, slot: torch.Tensor) -> object:
@@ -260,7 +268,9 @@ class CudaCopyEngine(CopyEngine):
     pinned buffer per slot by the worker thread (a page fault must not block a stream); the
     staged H2D is queued by the first engine call after the read lands (the sweep makes one
     per page), so it overlaps the compute before :meth:`wait`, which only queues it when the
-    read was late.
+    read was late. The worker, never the stepping thread, waits for a staged write-back's
+    device-to-host copy (its event) before writing the spill file, so the step's host syncs do
+    not grow with the pages on disk (the stepping thread waits only for the worker).
 
     Args:
         device: The CUDA device.
@@ -274,6 +284,8 @@ class CudaCopyEngine(CopyEngine):
     stood waiting for copies on the GPU (timed with events, read without a sync once both have
     completed: a wait's GPU stall is counted by a later call).
     """
+
+    _help_queue = False  # the queue's tasks wait for device events: the worker's alone
 
     def __init__(self, device: torch.device, host: PinnedHost | None = None,
                  stream_name: str = "activations") -> None:
@@ -433,10 +445,6 @@ class CudaCopyEngine(CopyEngine):
             done = timing_event()
             done.record(self.stream)
         return done, compute
-
-    def drain(self) -> float:
-        # Only host-side writes need waiting for; stream-ordered copies stay asynchronous.
-        return super().drain()
 
     def synchronize(self) -> None:
         # Nothing queued since the last one: nothing to wait for (state_dict() and save()

@@ -14,6 +14,7 @@ Here:
     paged_weights: how many layers keep their NF4 weights on the device, the rest streamed.
     ladder: ``plan(...)``: the configurations, each predicted piece by piece.
     max_length: ``--max-seq``: the longest sequence (largest batch) each row fits.
+    ranks: ``--gpus N``: one rank's bytes under FSDP2 (or DDP), the fewest GPUs that fit.
     table: ``PlanReport`` and ``Row``, and the table printed of them (text or ``--json``).
     train_args: the ``tightfit train`` options that select a planned row.
     verify, mechanisms: ``--verify``, one real step per row, measured beside the prediction.

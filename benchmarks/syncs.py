@@ -10,9 +10,9 @@ spill file); then a tiny Llama's training step with every block's activations of
 pinned host memory, tiled MLPs and a streamed optimizer, at 2 and 4 layers (forward /
 backward / step).
 
-Before/after: run once on the old code (its ``tightfit`` first on ``PYTHONPATH``; the
-emulation and the counter are this tree's) with ``--json before.json``, then here with
-``--before before.json --out benchmarks/results/syncs.md``::
+Before/after: run once on each old revision (its ``tightfit`` first on ``PYTHONPATH``; the
+emulation and the counter are this tree's) with ``--json before.json``, then here with a
+``--before``/``--before-rev`` pair per old run (columns in that order)::
 
     git worktree add /tmp/wt_syncs <rev>
     PYTHONPATH=/tmp/wt_syncs .venv/bin/python benchmarks/syncs.py --json /tmp/before.json
@@ -178,16 +178,19 @@ def _cell(entry: dict[str, Any] | None, size: str) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def write(after: dict[str, Any], before: dict[str, Any] | None, before_rev: str,
-          out: Path) -> None:
+def write(after: dict[str, Any], befores: list[tuple[str, dict[str, Any]]], out: Path) -> None:
+    """The results table: a pair of columns per old run in ``befores`` (rev, counts), then
+    this tree's."""
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, cwd=ROOT).stdout.strip()  # fmt: skip
     v = versions()
+    revs = ", ".join(r for r, _ in befores) or "none"
+    head = "".join(f" {r}, 8 | {r}, 64 |" for r, _ in befores)
     lines = [
         "# Host syncs per paged step (strict CUDA emulation, counted)",
         "",
         f"`benchmarks/syncs.py`: after = the working tree at commit {rev}, before = "
-        f"{before_rev} (its tightfit; this tree's emulation and counter). A count, not a "
+        f"{revs} (each its tightfit; this tree's emulation and counter). A count, not a "
         "time: the load of the shared "
         f"machine does not change it (load average {os.getloadavg()[0]:.1f} at the end). "
         f"CPU {cpu_model()}; torch {v['torch']}, bitsandbytes {v['bitsandbytes']}, "
@@ -200,23 +203,25 @@ def write(after: dict[str, Any], before: dict[str, Any] | None, before_rev: str,
         "/ step of a tiny Llama (activations offloaded to pinned host, MLPs tiled, state "
         "streamed) at 2 and 4 layers.",
         "",
-        "| optimizer | tier | before, 8 | before, 64 | after, 8 | after, 64 |",
-        "|---|---|---|---|---|---|",
+        f"| optimizer | tier |{head} after, 8 | after, 64 |",
+        "|---|---|" + "---|---|" * len(befores) + "---|---|",
     ]
     for key, entry in after.items():
         name, _, tier = key.partition(" | ")
-        old = (before or {}).get(key)
         sizes = ["2 layers", "4 layers"] if "training" in key else ["8", "64"]
-        cells = [_cell(old, s) for s in sizes] + [_cell(entry, s) for s in sizes]
+        cells = [_cell(old.get(key), s) for _, old in befores for s in sizes]
+        cells += [_cell(entry, s) for s in sizes]
         lines.append(f"| {name} | {tier or 'streamed'} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "The disk tier's write-backs wait on the host for each page's device-to-host copy "
-        "before the spill file is written (an event synchronize per page, on the copy thread, "
-        "or on the stepping thread when it helps the copy queue while it waits): those counts "
-        "vary from run to run with the thread scheduling and are outside the sync budget "
-        "(docs/optimizers.md). The forward's one sync is transformers' packed-sequence check "
-        "of the position ids, not tightfit's.",
+        "Each staged disk write-back waits for its page's device-to-host copy (an event "
+        "synchronize) before the spill file is written. That wait is the copy worker's: "
+        "where the stepping thread helped the copy queue while it waited (the old runs), it "
+        "ran write-backs itself and their waits were host syncs of the step, a number that "
+        "grew with the pages on disk and varied with the thread scheduling; CUDA's engine now "
+        "leaves its queue to the worker (`tightfit/tiers/copy.py`), and the disk tier's "
+        "counts are the streamed tier's. The forward's one sync is transformers' "
+        "packed-sequence check of the position ids, not tightfit's.",
         "",
     ]
     out.write_text("\n".join(lines))
@@ -225,18 +230,23 @@ def write(after: dict[str, Any], before: dict[str, Any] | None, before_rev: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the counts here (the before run)")
-    ap.add_argument("--before", type=Path, help="the before run's --json file")
-    ap.add_argument("--before-rev", default="?", help="the before run's commit")
+    ap.add_argument("--before", type=Path, action="append", default=[],
+                    help="an old run's --json file (repeat for several)")
+    ap.add_argument("--before-rev", action="append", default=[],
+                    help="that run's commit (one per --before, in the same order)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/syncs.md")
     args = ap.parse_args()
+    if len(args.before_rev) != len(args.before):  # checked before minutes of counting
+        ap.error(f"{len(args.before)} --before files but {len(args.before_rev)} --before-rev: "
+                 "give one --before-rev per --before, in the same order")
+    befores = [(r, json.loads(f.read_text())) for r, f in zip(args.before_rev, args.before)]
     torch.set_num_threads(1)
     print("tightfit from", Path(tightfit.__file__).parent, flush=True)
     rows = measure()
     if args.json:
         args.json.write_text(json.dumps(rows))
         return
-    before = json.loads(args.before.read_text()) if args.before else None
-    write(rows, before, args.before_rev, args.out)
+    write(rows, befores, args.out)
     print("wrote", args.out)
 
 

@@ -134,7 +134,8 @@ def test_staged_copies_run_on_the_worker_never_on_the_stepping_thread(strict_cud
     """A staged write-back waits for its device-to-host copy (an event synchronize) before it
     writes the home: run by the stepping thread, that is a host sync per page on disk. Before,
     a thread that waited for the queue ran the queued copies itself whenever the worker had
-    not woken yet (one event synchronize per write-back here)."""
+    not woken yet (3 runs of this test on it: 0-4 event synchronizes of the 8 write-backs, as
+    the threads were scheduled, and copies on the test's thread each time)."""
     engine = CudaCopyEngine(torch.device("cuda", 0))
     slot = torch.empty(4096, dtype=torch.uint8)  # device memory (the emulation's)
     slot.fill_(7)

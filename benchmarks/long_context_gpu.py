@@ -3,9 +3,13 @@
 A Llama-3.1-8B config (hidden 4096, intermediate 14336, 32 layers, 32 / 8 heads, vocabulary
 128256) with **random** weights, NF4 + double quant, LoRA r=32 on all linears, batch 1,
 under a device cap (``torch.cuda.set_per_process_memory_fraction(cap / total)``, 24 GiB by
-default). Per stack (HF: bitsandbytes 4-bit + peft + ``gradient_checkpointing_enable()``;
-tightfit: ``tightfit.prepare`` with its defaults, the plan chosen from the free memory under
-the cap) the longest sequence for which one training step (forward + backward) completes:
+default). Per stack (HF: bitsandbytes 4-bit + peft + ``gradient_checkpointing_enable(
+offload=True)``, transformers' own offload of the checkpointed inputs to pinned host memory,
+``long_context.hf_offload``; tightfit: ``tightfit.prepare`` with its defaults, the plan chosen
+from the free memory under the cap, and the new placements: LoRA computing in the compute
+dtype (``--lora-compute``, default ``compute_dtype``), paged base weights
+(``--resident-layers``: ``plan`` takes the planner's recommended row's number, ``all`` keeps
+every layer's NF4 weights on the device) and tiled MLPs (``--mlp-tile``, default ``auto``)) the longest sequence for which one training step (forward + backward) completes:
 doubling from ``--start``, then bisection to ``--resolution``, within a time box per stack.
 Beside it, tightfit's predicted longest (``tightfit.plan(..., maximize="seq")``) and the
 tokens/s of the longest step. The reference to pass: Unsloth's 78,475 tokens for this model
@@ -44,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from long_context import step  # noqa: E402  (one definition of a measured step)
+from long_context import hf_offload, step  # noqa: E402  (one measured step, HF's offload)
 
 import tightfit  # noqa: E402
 
@@ -103,12 +107,17 @@ def build(stack: str, a: argparse.Namespace, first: dict) -> torch.nn.Module:
         base = prepare_model_for_kbit_training(
             base, use_gradient_checkpointing=True,
             gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_offload(base)
         return get_peft_model(base, LoraConfig(r=a.r, lora_alpha=2 * a.r, lora_dropout=0.0,
                                                target_modules="all-linear",
                                                task_type="CAUSAL_LM")).train()
     # quant=None: the linears are 4-bit already (quantized layer by layer above)
-    model = tightfit.prepare(base, quant=None, lora={"r": a.r, "alpha": 2 * a.r, "dropout": 0.0},
-                             checkpoint_budget=a.budget or None, example=first, device=dev)
+    lora = {"r": a.r, "alpha": 2 * a.r, "dropout": 0.0, "compute": a.lora_compute}
+    model = tightfit.prepare(base, quant=None, lora=lora, checkpoint_budget=a.budget or None,
+                             mlp_tile=_tile(a.mlp_tile), example=first, device=dev)
+    if a.resident != "all":  # prepare refuses resident_layers with quant=None (the base was
+        # built 4-bit above): paged here; every probe's replan sees the room paging leaves
+        tightfit.enable_paged_base(model, int(a.resident))
     info = model.tightfit_info  # every probe replans; the MLP tile's cost model reads quant
     info.options = dataclasses.replace(info.options, quant="nf4")
     return model
@@ -186,19 +195,29 @@ def search(ok: callable, a: argparse.Namespace) -> tuple[int, int | None, bool]:
     return lo, hi, False
 
 
+def _tile(v: str) -> int | str:
+    return int(v) if v.isdigit() else v
+
+
 def predicted_longest(a: argparse.Namespace) -> int | None:
-    """tightfit's planner: the longest sequence it recommends under the cap."""
+    """tightfit's planner: the longest sequence it recommends under the cap (and, for
+    ``--resident-layers plan``, its resident layers into ``a.resident``)."""
     shape = {"model_type": "llama", **SHAPES["tiny" if a.tiny else "8b"]}
     # the planner models a CUDA device (1 GiB of overhead included): the tiny CPU path asks
     # it about a 2 GiB one only to run the code, its answer means nothing there
     gpu = 2 * GiB if a.tiny else int(a.cap_gib * GiB)
     try:
         report = tightfit.plan(shape, gpu=gpu, lora_r=a.r, maximize="seq",
-                               granularity=a.resolution)
+                               granularity=a.resolution, lora_compute=a.lora_compute)
     except ValueError as e:
         print(json.dumps({"planner_error": str(e)[:200]}))
         return None
     best = report.recommended
+    setup = getattr(best, "setup", None)
+    if a.resident_layers == "plan":
+        a.resident = str(getattr(setup, "resident_layers", "all"))
+    print(json.dumps({"planned": {"resident_layers": getattr(setup, "resident_layers", None),
+                                  "mlp_tile": getattr(setup, "mlp_tile", None)}}))
     return None if best is None else int(best.maximum)
 
 
@@ -215,7 +234,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--box", type=float, default=70.0, help="seconds of probing per stack")
     p.add_argument("--stacks", default="tightfit,hf")
     p.add_argument("--out", default=None, help="JSON lines file")
-    return p.parse_args(argv)
+    p.add_argument("--lora-compute", default="compute_dtype",
+                   choices=("compute_dtype", "lora_dtype"))
+    p.add_argument("--resident-layers", default="plan",
+                   help="plan (the planner's), all, or a number of layers")
+    p.add_argument("--mlp-tile", default="auto", help="auto, none or tokens")
+    a = p.parse_args(argv)
+    a.resident = "all" if a.resident_layers == "plan" else a.resident_layers
+    return a
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -242,7 +268,9 @@ def _run(a: argparse.Namespace, emit: callable) -> dict:  # type: ignore[valid-t
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GiB / total))
     summary: dict = {"device": a.device, "cap_gib": a.cap_gib if a.device == "cuda" else None,
                      "simulated_budget": a.budget if a.device != "cuda" else None,
-                     "predicted_longest": predicted_longest(a), "unsloth": UNSLOTH_TOKENS}
+                     "predicted_longest": predicted_longest(a), "unsloth": UNSLOTH_TOKENS,
+                     "lora_compute": a.lora_compute, "mlp_tile": a.mlp_tile}
+    summary["resident_layers"] = a.resident  # after the planner (plan: its number)
     emit({"run": dict(summary)})  # on disk before the first (long) build
     for stack in a.stacks.split(","):
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ def test_a_step_that_fits_passes_with_a_note(long_dir: Path, monkeypatch) -> Non
     _limit(monkeypatch, 8 << 30)
     pre = preflight.check_fits(_cfg(long_dir, 256), CPU)
     assert pre.fit is not None and pre.fit.fits
-    assert pre.cfg.prepare.resident_layers == "all"  # nothing binds: nothing pages
+    assert pre.cfg.prepare.resident_layers == "all"  # auto: nothing binds, nothing pages
     assert len(pre.notes) == 1 and "256 tokens per sequence predicted at" in pre.notes[0]
 
 
@@ -96,11 +96,14 @@ def test_weights_page_when_only_that_fits(tmp_path: Path, monkeypatch) -> None:
     pre = preflight.check_fits(cfg, CPU)
     k = pre.cfg.prepare.resident_layers
     assert isinstance(k, int) and 4 <= k < 8
-    assert cfg.prepare.resident_layers == "all"  # the caller's config is not changed
+    assert cfg.prepare.resident_layers == "auto"  # the caller's config is not changed
     assert any(f"--resident-layers {k} (planned)" in n for n in pre.notes)
     # given explicitly, the user's number is kept (and checked as it is)
     pre = preflight.check_fits(cfg.with_flat({"prepare.resident_layers": 2}), CPU)
     assert pre.cfg.prepare.resident_layers == 2
+    # 'all' given is kept too: then the step does not fit, and is refused
+    with pytest.raises(ValueError, match="does not fit"):
+        preflight.check_fits(cfg.with_flat({"prepare.resident_layers": "all"}), CPU)
 
 
 def test_what_the_planner_does_not_model_is_not_checked(long_dir: Path, monkeypatch) -> None:

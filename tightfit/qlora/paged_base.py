@@ -59,7 +59,7 @@ from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
 from tightfit.tiers.regions import Region, RegionPool, disk_pool, pinned_pool
 from tightfit.tiers.spill import SpillArea, release_range
 
-ResidentLayers = int | Literal["all"]
+ResidentLayers = int | Literal["all", "auto"]
 STATE_ATTR = "_tightfit_paged_base"
 MIN_BYTES = 4096  # smaller storages stay resident: a copy each would cost more than they save
 
@@ -68,14 +68,16 @@ def check_resident_layers(value: Any, layers: int | None = None) -> ResidentLaye
     """``value`` as a ``resident_layers`` option, or a ``ValueError`` naming the fix.
 
     Args:
-        value: ``"all"`` (nothing pages) or the number of decoder layers whose 4-bit weights
-            stay on the device (the others stream from the next tier).
+        value: ``"all"`` (nothing pages), ``"auto"`` (``tightfit train`` lets the planner
+            choose before it reads the data; :func:`tightfit.prepare` alone pages nothing) or
+            the number of decoder layers whose 4-bit weights stay on the device (the others
+            stream from the next tier).
         layers: The model's decoder layers, when known (an int above it is refused).
     """
-    if value == "all":
-        return "all"
+    if value in ("all", "auto"):
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"resident_layers must be 'all' or a number of decoder layers (an int "
+        raise ValueError(f"resident_layers must be 'all', 'auto' or a number of decoder layers (an int "
                          f">= 0), got {value!r}; e.g. resident_layers=2 (tightfit train "
                          "--resident-layers 2).")
     if value < 0:

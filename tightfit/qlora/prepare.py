@@ -217,7 +217,7 @@ def _prepare(
     model = _take_model(model_or_path)
     targets, expert_targets = _check_model(model, options, lora_opts)
     check_inputs(model, example, options.offload_dir)
-    if options.resident_layers != "all":  # more layers than the model has: before any change
+    if options.resident_layers not in ("all", "auto"):  # more layers than the model has: first
         check_resident_layers(options.resident_layers, len(find_blocks(model)))
     info = PrepareInfo(options, lora_opts, dev, cdtype, adapted=targets + expert_targets)
     info.base_numel = sum(p.numel() for p in model.parameters())
@@ -257,7 +257,7 @@ def _change(
         model = _add_lora(model, lora_opts, targets, expert_targets, info.compute_dtype)
     info.notes += coverage_notes(model, quantized=options.quant is not None,
                                  adapted=lora_opts is not None)
-    if options.resident_layers != "all":  # before the plan: it sees the room paging leaves
+    if options.resident_layers not in ("all", "auto"):  # before the plan: it sees the room left
         pager = enable_paged_base(model, options.resident_layers, spill_dir=options.offload_dir)
         info.notes.append(f"paged base weights: {options.resident_layers} decoder layers "
                           f"resident, {pager.streamed_bytes} bytes on the next tier")

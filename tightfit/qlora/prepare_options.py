@@ -156,12 +156,14 @@ class PrepareOptions:
                           "sequence does not fit the budget otherwise, the tile chosen by "
                           "prediction), none, or an integer (always tiled)"},
     )
-    resident_layers: int | Literal["all"] = field(
-        default="all",
-        metadata={"help": "decoder layers whose 4-bit base weights stay on the device: all, "
-                          "or a number (the last ones; the others wait on the next tier, "
-                          "pinned host RAM on CUDA or a spill file on the CPU, and stream in "
-                          "one layer ahead: docs/checkpoint.md, Paged base weights)"},
+    resident_layers: int | Literal["all", "auto"] = field(
+        default="auto",
+        metadata={"help": "decoder layers whose 4-bit base weights stay on the device: auto "
+                          "(tightfit train: as many as the planner fits before it reads the "
+                          "data, all when they fit; prepare() alone: all), all, or a number "
+                          "(the last ones; the others wait on the next tier, pinned host RAM "
+                          "on CUDA or a spill file on the CPU, and stream in one layer ahead: "
+                          "docs/checkpoint.md, Paged base weights)"},
     )
 
     def __post_init__(self) -> None:
@@ -208,7 +210,7 @@ class PrepareOptions:
             raise ValueError(f"offload_host_budget must be a number of bytes >= 0 or None, got "
                              f"{budget!r}.")
         check_resident_layers(self.resident_layers)
-        if self.resident_layers != "all" and self.quant is None:
+        if self.resident_layers not in ("all", "auto") and self.quant is None:
             raise ValueError("resident_layers pages the 4-bit base weights, and quant=None "
                              "keeps none; pass quant='nf4' or resident_layers='all'.")
 

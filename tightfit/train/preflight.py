@@ -11,10 +11,10 @@ the real limit:
 
 What the options leave to the planner stays the planner's: ``--checkpoint budget`` gets the
 room left, ``--loss-chunks auto`` / ``--mlp-tile auto`` the long-context rules, and
-``--offload auto`` may put checkpointed inputs on the next tier. When the step fits only with
-part of the 4-bit base on the next tier and ``--resident-layers`` was left at ``all``, the run
-takes the planner's number of resident layers (and says so): what ``tightfit plan --max-seq``
-would use. A step that does not fit even so is refused with the longest sequence that does.
+``--offload auto`` may put checkpointed inputs on the next tier, and ``--resident-layers
+auto`` (the default) becomes the planner's number of layers whose 4-bit weights stay on the
+device (``all`` when they fit; said when fewer): what ``tightfit plan --max-seq`` would use.
+The chosen number is what the run's saved options hold, so a resume keeps it. A step that does not fit even so is refused with the longest sequence that does.
 
 The analytic model is checked against measured steps in ``benchmarks/results/plan_accuracy*.md``;
 the check refuses only what the model predicts does not fit at all (no safety margin), so a run
@@ -100,9 +100,9 @@ def planned_setup(cfg: RunConfig, device: torch.device) -> tuple[TrainSetup, dic
         optimizer=cfg.optimizer.kind, optimizer_device_budget=cfg.optimizer.device_budget,
         loss_chunk_tokens=p.loss_chunks if isinstance(p.loss_chunks, int) else None,
         offload=offload, mlp_tile=p.mlp_tile if isinstance(p.mlp_tile, int) else None,
-        resident_layers=p.resident_layers)
+        resident_layers="all" if p.resident_layers == "auto" else p.resident_layers)
     sized = {"chunked": p.loss_chunks == "auto", "tiled": p.mlp_tile == "auto",
-             "paged_weights": p.resident_layers == "all" and p.quant is not None}
+             "paged_weights": p.resident_layers == "auto" and p.quant is not None}
     return setup, sized
 
 
@@ -160,10 +160,12 @@ def check_fits(cfg: RunConfig, device: torch.device) -> Preflight:
             f"--model {t.model} --max-seq`).")
     notes = [f"plan: {fit.describe()}"]
     chosen = fit.row.setup.resident_layers
-    if sized["paged_weights"] and chosen != "all":
+    if sized["paged_weights"]:  # auto: the planner's number, saved with the run's options
         cfg = replace(cfg, prepare=replace(cfg.prepare, resident_layers=chosen))
-        notes.append(f"--resident-layers {chosen} (planned): the step fits only with the 4-bit "
-                     "weights of the other layers on the next tier, streamed one layer ahead")
+        if chosen != "all":
+            notes.append(f"--resident-layers {chosen} (planned): the step fits only with the "
+                         "4-bit weights of the other layers on the next tier, streamed one "
+                         "layer ahead")
     return Preflight(cfg, fit, tuple(notes))
 
 

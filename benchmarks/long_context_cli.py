@@ -181,6 +181,17 @@ def search_tightfit(a: argparse.Namespace, tmp: Path, runs: list, free: dict) ->
         "tightfit", tightfit_run(a, tmp, pred, None)))
     both.start()
     found = [tightfit_run(a, tmp, n, a.cap) for n in lengths]
+    last = found[-1]
+    if last["refused"] and last["predicted"] and last["predicted"] < last["tokens"]:
+        # each run's preflight measures its own RSS: a few MiB more and the prediction moves
+        # by ~1 %, so a run at the first prediction may be refused; once more at 99 % of its own
+        both.join()
+        runs.append(free["tightfit"])
+        n = int(last["predicted"] * 0.99)
+        both = threading.Thread(target=lambda: free.__setitem__(
+            "tightfit", tightfit_run(a, tmp, n, None)))  # its losses at the same length
+        both.start()
+        found.append(tightfit_run(a, tmp, n, a.cap))
     both.join()
     runs += [*found, free["tightfit"]]
     return pred, max((r["tokens"] for r in found if r["ok"]), default=0)  # free: at pred

@@ -10,6 +10,7 @@ from tightfit.planner.presets import load_shape
 from tightfit.planner.ranks import (
     GATHERED_BLOCKS,
     RankEstimate,
+    ddp_only,
     global_batch,
     rank_estimate,
     unit_bytes,
@@ -115,6 +116,9 @@ def test_moe_4bit_rows_are_ddp_only() -> None:
     assert "--fsdp" not in by_quant["nf4"].train_args
     assert by_quant["none"].estimate.sharded
     assert "DDP only" in str(report)
+    mixtral = load_shape("mixtral-8x7b")
+    assert "MoE" in (ddp_only(mixtral, TrainSetup(seq_len=16, quant="nf4")) or "")
+    assert ddp_only(mixtral, TrainSetup(seq_len=16, quant="none")) is None
 
 
 def test_max_batch_counts_the_global_batch_in_multiples_of_the_gpus() -> None:

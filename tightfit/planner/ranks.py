@@ -33,7 +33,7 @@ embedding (a unit of its own, gathered for its lookup only) is gathered beside t
 its all-gather output (shards + root + 2 x embedding; tied: 2 x root) while activations are
 still small.
 
-A configuration FSDP2 cannot shard (:func:`unshardable`: 4-bit MoE experts, whose
+A configuration FSDP2 cannot shard (:func:`ddp_only`: 4-bit MoE experts, whose
 constants are buffers the sharded loader does not cut; the LLM.int8 base) runs under DDP:
 every rank holds the whole model, and DDP's gradient buckets a second copy of the grads
 (``DistributedDataParallel(gradient_as_bucket_view=False)``, torch's default: "the saved
@@ -114,9 +114,10 @@ def global_batch(batch_size: int, gpus: int) -> int:
                      f"{batch_size}.")
 
 
-def unshardable(shape: ModelShape, setup: TrainSetup) -> str | None:
-    """Why ``tightfit train --fsdp`` cannot shard this configuration (``None``: it can), as
-    :mod:`tightfit.distributed` refuses it before any weight is read."""
+def ddp_only(shape: ModelShape, setup: TrainSetup) -> str | None:
+    """Why this configuration can only run as DDP (``None``: FSDP2 can shard it):
+    ``tightfit train --fsdp`` refuses it, as :mod:`tightfit.distributed` does before any
+    weight is read."""
     if setup.quant != "none" and shape.is_moe:
         return ("--fsdp cannot shard 4-bit MoE experts (their constants are buffers the "
                 "sharded loader does not cut): DDP, every rank holds the whole model")
@@ -214,7 +215,7 @@ def rank_estimate(shape: ModelShape, setup: TrainSetup, overhead: Overhead | Non
     overhead = overhead or Overhead()
     one = estimate(shape, setup, overhead)  # the rank's rows, its model whole
     base = {f.name: getattr(one, f.name) for f in fields(Estimate)}
-    why = unshardable(shape, setup)
+    why = ddp_only(shape, setup)
     if why is not None:  # DDP: the whole model, the grads again in the buckets
         tensors = one.total - one.overhead + one.grads
         base["overhead"] = overhead.bytes_for(tensors)

@@ -130,3 +130,14 @@ def test_train_args_round_trip_the_resident_layers() -> None:
     setup = dataclasses.replace(TrainSetup(), resident_layers=5)
     args = train_args(setup)
     assert args[args.index("--resident-layers") + 1] == "5"
+
+
+def test_verify_builds_the_placement_it_predicts() -> None:
+    from tightfit.planner.verify import build_model
+    from tightfit.qlora.paged_base import paged_base_of
+
+    setup = TrainSetup(seq_len=16, compute_dtype="float32", resident_layers=1)
+    model = build_model(load_shape(CONFIG), setup)
+    pager = paged_base_of(model)
+    assert pager is not None and pager.resident_layers == 1
+    assert paged_base_of(build_model(load_shape(CONFIG), setup.with_(resident_layers="all"))) is None

@@ -123,6 +123,7 @@ def build_model(shape: ModelShape, setup: TrainSetup, *, seed: int = 0) -> nn.Mo
         double_quant=setup.double_quant, blocksize=setup.blocksize,
         compute_dtype=setup.compute_dtype, lora=_lora_options(setup),
         checkpoint=None, loss_chunks=setup.loss_chunk_tokens, device="cpu",
+        resident_layers=setup.resident_layers,  # the placement the row predicts
     )
     install_tiling(model, setup)
     return model

@@ -189,9 +189,11 @@ class PinnedHost:
             raise TierFullError(
                 errno.ENOMEM,
                 f"pinned host memory: {size} more bytes for {what} would pass the host budget of "
-                f"{self.budget} bytes ({self.pinned_bytes} pinned: {users}). Raise the host "
-                "budget (host_budget, --host-budget), or keep less on the host (a larger "
-                "device budget, less offload); the step can be rerun")
+                f"{self.budget} bytes ({self.pinned_bytes} pinned: {users}). Raise that budget "
+                "(PinnedHost(budget=...) given to tiers.pinned.sharing; tightfit train shares "
+                "the pinned fraction of the host's RAM that tightfit plan checks), or keep less "
+                "on the host (a larger --device-budget, --offload none, more "
+                "--resident-layers); the step can be rerun")
         machine, bound = host_room()
         if size > machine:
             raise TierFullError(

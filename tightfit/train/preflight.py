@@ -133,7 +133,9 @@ def check_fits(cfg: RunConfig, device: torch.device) -> Preflight:
     """
     why = _not_modelled(cfg)
     if why is not None:
-        return Preflight(cfg, None, ())
+        note = () if cfg.train.model is None else (f"plan: not checked before the data: the "
+                                                   f"planner does not model {why}",)
+        return Preflight(cfg, None, note)
     t = cfg.train
     try:
         shape = load_shape(t.model)

@@ -39,6 +39,7 @@ RESUME_FREE = frozenset({
     "train.steps", "train.epochs", "train.out", "train.resume", "train.save_every", "train.track_every",
     "train.eval_every", "train.threads", "train.fsdp", "train.zero3", "optimizer.spill_dir",
     "optimizer.target",  # paging is exact: where the state waits never changes a value
+    "prepare.resident_layers",  # nor where the frozen base waits
 })
 # Options of one launch, not of the run: a resume does not inherit them (give --fsdp again
 # under torchrun; a plain process resumes an FSDP2 run without it).

@@ -9,7 +9,12 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from tightfit.qlora.quantize import layer_quant_state, linear4bit_skeleton, quantize_linears
+from tightfit.qlora.quantize import (
+    layer_quant_state,
+    linear4bit_skeleton,
+    quantizable_linears,
+    quantize_linears,
+)
 from tightfit.qlora.shardable import (
     BASE_PIECES,
     REPLICATED_BYTES,
@@ -66,3 +71,22 @@ def test_meta_shapes_are_bitsandbytes_shapes(in_f, out_f, quant, dq) -> None:
     assert (meta.shape, meta.nested, meta.quant_type) == (real.shape, real.nested, real.quant_type)
     replicated = sum(b.numel() * b.element_size() for b in real.buffers())
     assert replicated == (REPLICATED_BYTES if dq else 16 * 4)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_one_process_and_sharded_loading_quantize_the_same_layers_in_order(kind) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def build() -> torch.nn.Module:
+        if kind == "gpt2":  # Conv1D layers, a head tied to the embedding
+            return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, tie_word_embeddings=False))
+
+    listed = [full for full, *_ in quantizable_linears(build())]
+    assert listed and not any("lm_head" in n for n in listed)
+    assert quantize_linears(build()) == listed
+    with torch.device("meta"):
+        meta = build()
+    assert linear4bit_skeleton(meta) == listed

@@ -30,6 +30,22 @@ def output_head_names(model: nn.Module) -> set[str]:
     return names
 
 
+
+def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """``(qualified name, parent, attribute name, layer)`` of every ``nn.Linear`` and GPT-2
+    ``Conv1D`` but the output head, in module order: the layers :func:`quantize_linears`
+    and :func:`linear4bit_skeleton` swap, so a one-process and a sharded run quantize the
+    same layers in the same order. The modules are listed before the first is yielded: the
+    caller may replace each layer as it comes."""
+    from transformers.pytorch_utils import Conv1D
+
+    skip = output_head_names(model)
+    for qual, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            full = f"{qual}.{name}" if qual else name
+            if isinstance(child, (nn.Linear, Conv1D)) and full not in skip and name != "lm_head":
+                yield full, module, name, child
+
 def quantize_linears(
     model: nn.Module,
     *,
@@ -56,51 +72,46 @@ def quantize_linears(
     from transformers.pytorch_utils import Conv1D
 
     device = torch.device(device)
-    skip = output_head_names(model)
     replaced: list[str] = []
-    for qual, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            full = f"{qual}.{name}" if qual else name
-            if not isinstance(child, (nn.Linear, Conv1D)) or full in skip or name == "lm_head":
-                continue
-            if isinstance(child, Conv1D):
-                # GPT-2's Conv1D computes x @ W + b with W stored [in, out]: the same layer as
-                # a Linear whose weight is W transposed (as transformers' bnb integration does).
-                in_f, out_f = child.weight.shape
-                weight = child.weight.data.t()
-            else:
-                in_f, out_f, weight = child.in_features, child.out_features, child.weight.data
-            q = bnb.nn.Linear4bit(
-                in_f,
-                out_f,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype,
-                compress_statistics=double_quant,
-                quant_type=quant_type,
-                quant_storage=torch.uint8,
-                device="meta",
+    for full, module, name, child in quantizable_linears(model):
+        if isinstance(child, Conv1D):
+            # GPT-2's Conv1D computes x @ W + b with W stored [in, out]: the same layer as
+            # a Linear whose weight is W transposed (as transformers' bnb integration does).
+            in_f, out_f = child.weight.shape
+            weight = child.weight.data.t()
+        else:
+            in_f, out_f, weight = child.in_features, child.out_features, child.weight.data
+        q = bnb.nn.Linear4bit(
+            in_f,
+            out_f,
+            bias=child.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
+            quant_storage=torch.uint8,
+            device="meta",
+        )
+        # Quantization happens on the move to `device` (CPU or CUDA alike).
+        q.weight = bnb.nn.Params4bit(
+            weight.to(torch.float32).contiguous(),
+            requires_grad=False,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
+            blocksize=blocksize,
+            quant_storage=torch.uint8,
+        ).to(device)
+        if child.bias is not None:
+            q.bias = nn.Parameter(
+                child.bias.data.to(device, compute_dtype), requires_grad=False
             )
-            # Quantization happens on the move to `device` (CPU or CUDA alike).
-            q.weight = bnb.nn.Params4bit(
-                weight.to(torch.float32).contiguous(),
-                requires_grad=False,
-                compress_statistics=double_quant,
-                quant_type=quant_type,
-                blocksize=blocksize,
-                quant_storage=torch.uint8,
-            ).to(device)
-            if child.bias is not None:
-                q.bias = nn.Parameter(
-                    child.bias.data.to(device, compute_dtype), requires_grad=False
-                )
-            # bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a layer in place at its
-            # first no-grad forward (an eval): absmax becomes bf16 and stays so, so every later
-            # training step computes with other constants (a resumed run is then not
-            # bit-exact), and a row that is not whole blocks fails ("shape '[32, 0]' is
-            # invalid"). A layer that trains keeps the one kernel and the constants it has.
-            q.support_avx512bf16_for_cpu = False
-            setattr(module, name, q)
-            replaced.append(full)
+        # bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a layer in place at its
+        # first no-grad forward (an eval): absmax becomes bf16 and stays so, so every later
+        # training step computes with other constants (a resumed run is then not
+        # bit-exact), and a row that is not whole blocks fails ("shape '[32, 0]' is
+        # invalid"). A layer that trains keeps the one kernel and the constants it has.
+        q.support_avx512bf16_for_cpu = False
+        setattr(module, name, q)
+        replaced.append(full)
     return replaced
 
 
@@ -121,32 +132,27 @@ def linear4bit_skeleton(
     """
     from transformers.pytorch_utils import Conv1D
 
-    skip = output_head_names(model)
     replaced: list[str] = []
-    for qual, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            full = f"{qual}.{name}" if qual else name
-            if not isinstance(child, (nn.Linear, Conv1D)) or full in skip or name == "lm_head":
-                continue
-            transposed = isinstance(child, Conv1D)
-            in_f, out_f = (child.weight.shape if transposed
-                           else (child.in_features, child.out_features))  # fmt: skip
-            q = bnb.nn.Linear4bit(in_f, out_f, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=double_quant,
-                                  quant_type=quant_type, quant_storage=torch.uint8,
-                                  device="meta")  # fmt: skip
-            q.weight = bnb.nn.Params4bit(
-                torch.empty(0, dtype=torch.uint8), requires_grad=False,
-                compress_statistics=double_quant, quant_type=quant_type,
-                quant_storage=torch.uint8, bnb_quantized=True,
-            )  # fmt: skip
-            if child.bias is not None:
-                q.bias = nn.Parameter(torch.empty(out_f, dtype=compute_dtype, device="meta"),
-                                      requires_grad=False)  # fmt: skip
-            q.support_avx512bf16_for_cpu = False  # as quantize_linears: one kernel throughout
-            q.transposed = transposed
-            setattr(module, name, q)
-            replaced.append(full)
+    for full, module, name, child in quantizable_linears(model):
+        transposed = isinstance(child, Conv1D)
+        in_f, out_f = (child.weight.shape if transposed
+                       else (child.in_features, child.out_features))  # fmt: skip
+        q = bnb.nn.Linear4bit(in_f, out_f, bias=child.bias is not None,
+                              compute_dtype=compute_dtype, compress_statistics=double_quant,
+                              quant_type=quant_type, quant_storage=torch.uint8,
+                              device="meta")  # fmt: skip
+        q.weight = bnb.nn.Params4bit(
+            torch.empty(0, dtype=torch.uint8), requires_grad=False,
+            compress_statistics=double_quant, quant_type=quant_type,
+            quant_storage=torch.uint8, bnb_quantized=True,
+        )  # fmt: skip
+        if child.bias is not None:
+            q.bias = nn.Parameter(torch.empty(out_f, dtype=compute_dtype, device="meta"),
+                                  requires_grad=False)  # fmt: skip
+        q.support_avx512bf16_for_cpu = False  # as quantize_linears: one kernel throughout
+        q.transposed = transposed
+        setattr(module, name, q)
+        replaced.append(full)
     return replaced
 
 

@@ -32,6 +32,8 @@ import torch
 from bitsandbytes.functional import QuantState
 from torch import nn
 
+from tightfit.optim.dtensor import is_dtensor, local_tensor
+
 __all__ = [
     "BASE_PIECES",
     "REPLICATED_BYTES",
@@ -64,12 +66,17 @@ class ShardableLinear4bit(bnb.nn.Linear4bit):
     def quant_state_now(self) -> QuantState:
         """bitsandbytes' quant state over the layer's tensors as they are now (gathered
         inside FSDP2's forward/backward, this rank's shards outside)."""
+        return self._quant_state(self.absmax, self.nested_absmax if self.nested else None)
+
+    def _quant_state(self, absmax: torch.Tensor, nested_absmax: torch.Tensor | None) -> QuantState:
+        """bitsandbytes' quant state of this layer over ``absmax`` (and, double-quantized,
+        ``nested_absmax``) with the layer's replicated code books, shape and block sizes."""
         state2 = None
         if self.nested_blocksize is not None:
-            state2 = QuantState(absmax=self.nested_absmax, code=self.nested_code,
+            state2 = QuantState(absmax=nested_absmax, code=self.nested_code,
                                 blocksize=self.nested_blocksize, dtype=torch.float32)  # fmt: skip
         return QuantState(
-            absmax=self.absmax, shape=torch.Size(self.shape), code=self.quant_map,
+            absmax=absmax, shape=torch.Size(self.shape), code=self.quant_map,
             blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.state_dtype,
             offset=self.nested_offset if state2 is not None else None, state2=state2,
         )  # fmt: skip
@@ -97,19 +104,10 @@ class ShardableLinear4bit(bnb.nn.Linear4bit):
         """``(codes, quant state)`` of the whole layer, wherever it is: a sharded layer's
         tensors are gathered here (``DTensor.full_tensor``, a collective every rank must
         call in the same order), a gathered or unsharded layer's are its own."""
-        if not _is_dtensor(self.weight):
+        if not is_dtensor(self.weight):
             return self.weight.data, self.quant_state_now()
         full = {n: _full(getattr(self, n)) for n in BASE_PIECES if n in self._parameters}
-        state2 = None
-        if self.nested:
-            state2 = QuantState(absmax=full["nested_absmax"], code=self.nested_code,
-                                blocksize=self.nested_blocksize, dtype=torch.float32)  # fmt: skip
-        state = QuantState(
-            absmax=full["absmax"], shape=torch.Size(self.shape), code=self.quant_map,
-            blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.state_dtype,
-            offset=self.nested_offset if state2 is not None else None, state2=state2,
-        )  # fmt: skip
-        return full["weight"], state
+        return full["weight"], self._quant_state(full["absmax"], full.get("nested_absmax"))
 
     def dequantized(self) -> torch.Tensor:
         """The layer's weight dequantized (gathered first when sharded: a collective)."""
@@ -203,7 +201,7 @@ def base_bytes(model: nn.Module) -> dict[str, int]:
             for piece in BASE_PIECES:
                 p = layer._parameters.get(piece)
                 if p is not None:
-                    held += _local(p).numel() * p.element_size()
+                    held += local_tensor(p).numel() * p.element_size()
                     whole += p.numel() * p.element_size()
         return held, whole
 
@@ -215,18 +213,8 @@ def base_bytes(model: nn.Module) -> dict[str, int]:
             "block": max((sizes(b)[1] for b in blocks), default=0)}  # fmt: skip
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if _is_dtensor(t) else t.data
+    return t.full_tensor() if is_dtensor(t) else t.data
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

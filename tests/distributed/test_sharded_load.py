@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import bitsandbytes as bnb
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, MixtralConfig
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
 
-from tightfit.distributed.parallelize import unshardable
+from tightfit.distributed.parallelize import shard_model, unshardable
 from tightfit.distributed.sharded_load import load_sharded, source_key
+from tightfit.qlora.lora_compute import CastLinear
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
+from tightfit.qlora.quantize import quantize_linears
+from tightfit.qlora.shardable import ShardableLinear4bit
 
 pytestmark = pytest.mark.distributed
 
@@ -19,6 +24,28 @@ def _unreadable_weights(folder, config) -> None:
     that reads a weight fails, so a refusal that comes first read none."""
     config.save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+
+
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group (a HashStore: no port), for load_sharded/shard_model in-process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_folder(folder) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
 
 
 def _load(folder, lora=None, **options):
@@ -72,3 +99,44 @@ def test_source_keys_drop_peft_prefixes() -> None:
     assert source_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") \
         == "model.layers.0.self_attn.q_proj.weight"  # fmt: skip
     assert source_key("base_model.model.lm_head.weight") == "lm_head.weight"
+
+
+def test_explicit_resident_layers_are_refused_before_any_weight(tmp_path) -> None:
+    _unreadable_weights(tmp_path, LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match=r"--resident-layers 1 cannot apply under --fsdp: "
+                                         r"FSDP2 shards .* not supported under --fsdp; drop"):
+        _load(tmp_path, LoraOptions(r=2), resident_layers=1)
+
+
+def test_adapters_compute_in_the_compute_dtype_as_prepare_does(tmp_path, one_rank) -> None:
+    _tiny_folder(tmp_path)
+    model = _load(tmp_path, LoraOptions(r=2))  # LoRA's default compute: compute_dtype
+    casts = [n for n, m in model.named_modules() if isinstance(m, CastLinear)]
+    assert casts and all(".lora_A." in n or ".lora_B." in n for n in casts)
+    peft_own = _load(tmp_path, LoraOptions(r=2, compute="lora_dtype"))
+    assert not any(isinstance(m, CastLinear) for m in peft_own.modules())
+
+
+def test_no_adapters_and_no_quant_trains_the_loaded_base(tmp_path, one_rank) -> None:
+    ref = _tiny_folder(tmp_path)
+    model = _load(tmp_path, None, quant=None)
+    params = dict(model.named_parameters())
+    assert params and all(p.requires_grad for p in params.values())
+    for name, p in ref.named_parameters():  # the trainable base is read, not left empty
+        assert torch.equal(params[name].full_tensor(), p.detach()), name
+    quantized = _load(tmp_path, None)  # 4 bits, no adapters: nothing trains (as prepare)
+    assert not any(p.requires_grad for p in quantized.parameters())
+
+
+def test_a_refused_model_is_left_unchanged(one_rank) -> None:
+    model = nn.Sequential(nn.Linear(64, 32))
+    quantize_linears(model)
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="cannot shard scale: a 0-dim parameter"):
+        shard_model(model, "fsdp")
+    assert type(model[0]) is bnb.nn.Linear4bit and not isinstance(model[0], ShardableLinear4bit)
+    assert type(model[0].weight).__name__ == "Params4bit"
+    assert unshardable(model) is not None  # an unconverted Params4bit is refused unless
+    assert unshardable(model, converting=True) is not None  # converting (the scale still is)
+    del model.scale
+    assert unshardable(model, converting=True) is None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tightfit.model.blocks import find_blocks
+from tightfit.qlora.quantize import linear4bit_layers
 from tightfit.qlora.shardable import make_shardable
 
 __all__ = ["Strategy", "find_blocks", "shard_model", "unshardable"]
@@ -72,11 +73,12 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
 
     if shard_frozen:
-        for _, layer in list(_linear4bit(model)):
-            make_shardable(layer)
-        problem = unshardable(model)
+        # refuse before any layer changes: the 4-bit weights converted below are let through
+        problem = unshardable(model, converting=True)
         if problem is not None:
             raise ValueError(problem)
+        for _, layer in list(linear4bit_layers(model)):
+            make_shardable(layer)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
 
     def frozen(module: nn.Module) -> set[nn.Parameter] | None:
@@ -97,12 +99,6 @@ def shard_model(
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model))
     _prefetch_one_ahead(blocks)
     return model
-
-
-def _linear4bit(model: nn.Module):  # noqa: ANN202
-    import bitsandbytes as bnb
-
-    return ((n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit))
 
 
 def _frozen_untied_embedding(model: nn.Module) -> nn.Module | None:
@@ -127,15 +123,27 @@ def _prefetch_one_ahead(blocks: list[nn.Module]) -> None:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])  # type: ignore[operator]
 
 
-def unshardable(model: nn.Module) -> str | None:
+def unshardable(model: nn.Module, *, converting: bool = False) -> str | None:
     """Why FSDP2 cannot shard ``model``'s parameters, naming the first that it cannot
     (``None``: every one can), with the fix.
 
     FSDP2 shards plain tensors on dim 0. A bitsandbytes ``Params4bit`` left unconverted, an
     8-bit ``Int8Params`` or a 3-D packed MoE expert stack hold their constants outside the
     tensor, so a shard would lose them.
+
+    Args:
+        model: The model, unchanged.
+        converting: Let through the quantized ``Params4bit`` weights of ``Linear4bit``
+            layers, which :func:`~tightfit.qlora.shardable.make_shardable` turns into plain
+            parameters (what :func:`shard_model` does once nothing is refused).
     """
+    converted = set()
+    if converting:
+        converted = {id(layer.weight) for _, layer in linear4bit_layers(model)
+                     if getattr(layer.weight, "quant_state", None) is not None}  # fmt: skip
     for name, p in model.named_parameters():
+        if id(p) in converted:
+            continue
         kind = type(p).__name__
         if kind in ("Params4bit", "Int8Params"):
             return (f"--fsdp cannot shard {name}: a bitsandbytes {kind} keeps its quantization "

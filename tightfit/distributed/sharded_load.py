@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
 import torch
 from torch import nn
@@ -34,9 +32,9 @@ from tightfit.distributed.parallelize import shard_model
 from tightfit.optim.dtensor import is_dtensor, local_tensor
 from tightfit.qlora.coverage import coverage_notes
 from tightfit.qlora.experts import expert_modules
-from tightfit.qlora.prepare import PrepareInfo, plan_step
+from tightfit.qlora.prepare import PrepareInfo, add_lora, plan_step
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
-from tightfit.qlora.quantize import linear4bit_skeleton
+from tightfit.qlora.quantize import linear4bit_layers, linear4bit_skeleton
 from tightfit.qlora.shardable import ShardableLinear4bit, empty_shardable
 
 __all__ = ["check_fsdp_model", "load_sharded", "source_key"]
@@ -77,8 +75,9 @@ def load_sharded(
     if check is not None:
         check(model)
     base_numel = sum(p.numel() for p in model.parameters())
-    for p in model.parameters():
-        p.requires_grad_(False)
+    if lora is not None or options.quant is not None:
+        for p in model.parameters():  # prepare's rule: no adapters, no 4 bits: the base trains
+            p.requires_grad_(False)
     quantized: list[str] = []
     if options.quant is not None:
         quantized = linear4bit_skeleton(model, quant_type=options.quant,
@@ -89,7 +88,7 @@ def load_sharded(
         # moves adapters to their base weight's device): a CPU placeholder while peft wraps,
         # of the dtype prepare's base has by then (peft casts adapters to it, as there)
         stashed = {} if quantized else _placeholder_weights(model, cdtype)
-        model = _add_lora(model, lora, quantized)
+        model = add_lora(model, lora, _lora_targets(model, lora, quantized), [], cdtype)
         for layer, weight in stashed.items():
             layer.weight = weight
     adapted = [n.removeprefix("base_model.model.") for n, m in model.named_modules()
@@ -98,11 +97,11 @@ def load_sharded(
         from tightfit.loss import enable_chunked_loss
 
         enable_chunked_loss(model, chunk_tokens=options.loss_chunks)  # type: ignore[arg-type]
-    for _, layer in list(_linear4bit(model)):
+    for _, layer in list(linear4bit_layers(model)):
         empty_shardable(layer, blocksize=options.blocksize)
     shard_model(model, "fsdp", reshard_after_forward=reshard_after_forward, device=device)
-    _materialize(model, device)
-    _load_weights(model, files, cdtype)
+    real = _materialize(model, device)
+    _load_weights(model, files, cdtype, skip=real)
     info = PrepareInfo(options, lora, device, cdtype, quantized=quantized, adapted=adapted,
                        base_numel=base_numel)  # fmt: skip
     info.loss_chunks = options.loss_chunks
@@ -115,6 +114,13 @@ def load_sharded(
 
 def check_fsdp_model(model: nn.Module, options: PrepareOptions, lora: LoraOptions | None) -> None:
     """Refuse, on the meta model, what :func:`load_sharded` cannot shard (which and why)."""
+    if options.resident_layers not in ("all", "auto"):
+        raise ValueError(
+            f"--resident-layers {options.resident_layers} cannot apply under --fsdp: FSDP2 "
+            "shards the 4-bit base across the ranks and gathers one block at a time, and "
+            "paging the base to the next tier is not supported under --fsdp; drop "
+            "--resident-layers (or pass 'all'), or add GPUs (tightfit plan --gpus N), or "
+            "train without --fsdp to page the base")
     if options.quant is not None and list(expert_modules(model)):
         name = next(iter(expert_modules(model)))[0]
         raise ValueError(
@@ -170,29 +176,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _add_lora(model: nn.Module, lora: LoraOptions, quantized: list[str]) -> nn.Module:
-    """peft's LoRA on the meta model: the layers and the draw order of ``tightfit.prepare``."""
-    from peft import LoraConfig, get_peft_model
-
-    if lora.target_modules == "all-linear":
-        targets: list[str] | tuple[str, ...] = quantized or [
-            n for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and not n.endswith("lm_head")
-        ]  # fmt: skip
-    else:
-        targets = lora.target_modules
-    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                     target_modules=list(targets), bias="none", task_type="CAUSAL_LM")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        peft_model = get_peft_model(model, cfg, autocast_adapter_dtype=lora.dtype == "float32")
-    if lora.dtype != "float32":
-        from tightfit.measure.dtypes import torch_dtype
-
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(torch_dtype(lora.dtype))
-    return peft_model
+def _lora_targets(model: nn.Module, lora: LoraOptions, quantized: list[str]) -> list[str]:
+    """The layers LoRA adapts on the meta model: those of ``tightfit.prepare``, in its order."""
+    if lora.target_modules != "all-linear":
+        return list(lora.target_modules)
+    return quantized or [n for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) and not n.endswith("lm_head")]  # fmt: skip
 
 
 def _placeholder_weights(model: nn.Module, dtype: torch.dtype) -> dict[nn.Module, nn.Parameter]:
@@ -205,12 +194,9 @@ def _placeholder_weights(model: nn.Module, dtype: torch.dtype) -> dict[nn.Module
     return stashed
 
 
-def _linear4bit(model: nn.Module) -> Iterator[tuple[str, bnb.nn.Linear4bit]]:
-    return ((n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit))
-
-
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate this rank's shards (``to_empty``), keeping what was real: LoRA and buffers."""
+def _materialize(model: nn.Module, device: torch.device) -> set[str]:
+    """Allocate this rank's shards (``to_empty``), keeping what was real: LoRA and buffers;
+    the names of those kept (the rest is read from the checkpoint)."""
     kept = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if not t.is_meta:
@@ -220,17 +206,20 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for name, value in kept.items():
             local_tensor(current[name]).copy_(value)
+    return set(kept)
 
 
-def _load_weights(model: nn.Module, files: list[Path], cdtype: torch.dtype) -> None:
-    """Every meta-born tensor from the safetensors: one full tensor at a time, rows kept."""
+def _load_weights(model: nn.Module, files: list[Path], cdtype: torch.dtype, *,
+                  skip: set[str]) -> None:
+    """Every meta-born tensor (all but ``skip``'s) from the safetensors: one full tensor at a
+    time, this rank's rows kept."""
     from safetensors import safe_open
 
     where = {}
     for f in files:
         with safe_open(str(f), "pt") as reader:
             where.update({k: f for k in reader.keys()})  # noqa: SIM118 (not a dict)
-    layers = dict(_linear4bit(model))
+    layers = dict(linear4bit_layers(model))
     done: set[str] = set()
 
     def read(key: str) -> torch.Tensor:
@@ -248,7 +237,7 @@ def _load_weights(model: nn.Module, files: list[Path], cdtype: torch.dtype) -> N
             if layer.bias is not None:
                 _copy_rows(layer.bias, read(source_key(name + ".bias")).to(cdtype))
         for name, p in model.named_parameters():
-            if name in done or p.requires_grad:
+            if name in done or name in skip:
                 continue
             full = read(source_key(name))
             _copy_rows(p, full.to(cdtype) if full.is_floating_point() else full)

@@ -254,7 +254,7 @@ def _change(
         blocksize=options.blocksize, compute_dtype=info.compute_dtype, device=dev,
         train_base=lora_opts is None and options.quant is None)  # fmt: skip
     if lora_opts is not None:
-        model = _add_lora(model, lora_opts, targets, expert_targets, info.compute_dtype)
+        model = add_lora(model, lora_opts, targets, expert_targets, info.compute_dtype)
     info.notes += coverage_notes(model, quantized=options.quant is not None,
                                  adapted=lora_opts is not None)
     if options.resident_layers not in ("all", "auto"):  # before the plan: it sees the room left
@@ -317,13 +317,17 @@ def _take_model(model_or_path: nn.Module | str | os.PathLike[str]) -> nn.Module:
     )
 
 
-def _add_lora(
+def add_lora(
     model: nn.Module, lora: LoraOptions, targets: list[str], expert_targets: list[str],
     compute_dtype: torch.dtype,
 ) -> nn.Module:
     """``model`` wrapped by peft with LoRA adapters on the layers ``targets`` and the MoE
     expert weights ``expert_targets`` (peft's parameter targets), their matmuls in
-    ``compute_dtype`` unless ``lora.compute`` says the adapters' own dtype."""
+    ``compute_dtype`` unless ``lora.compute`` says the adapters' own dtype.
+
+    The one way adapters are added: :func:`prepare`'s step 3, and the FSDP2 loader's on the
+    meta model (:mod:`tightfit.distributed.sharded_load`), so both train the same adapters.
+    """
     # peft (and expert_lora, which subclasses its layer) cost seconds to import: only when
     # adapters are added, so `import tightfit.qlora.prepare` stays quick for the planner
     from peft import LoraConfig, get_peft_model

@@ -20,6 +20,7 @@ from tightfit.qlora.paged_base import (
     enable_paged_base,
     paged_base_of,
 )
+from tightfit.tiers import copy as copy_module
 from tightfit.tiers.copy import CudaCopyEngine
 from tightfit.tiers.regions import TierFullError
 
@@ -131,6 +132,36 @@ def test_evaluation_and_state_dict_bring_weights_back() -> None:
     assert paged_base_of(model) is None
 
 
+def test_a_state_dict_leaves_the_streamed_weights_on_the_tier(tmp_path) -> None:  # noqa: ANN001
+    """A save (peft's adapter state dict reads the full one) brings nothing back to the
+    device, and the full state dict holds the real weights, loadable into a fresh model."""
+    from peft import get_peft_model_state_dict
+
+    model = prepared("every")
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    pager = enable_paged_base(model, 0)
+    assert pager.device_bytes() == 0
+    adapter = get_peft_model_state_dict(model)
+    assert adapter and pager.device_bytes() == 0
+    seen: list[int] = []
+    for block in pager.blocks:  # after each block's entries are written
+        block.register_state_dict_post_hook(lambda *_: seen.append(pager.device_bytes()))
+    sd = model.state_dict()
+    assert len(seen) == LAYERS and max(seen) == 0 and pager.device_bytes() == 0
+    assert sd.keys() == ref.keys() and all(torch.equal(ref[k], sd[k]) for k in ref)
+    train(model, steps=1)  # the pages come and go: the dict aliases none of them
+    frozen = [k for k in ref if "lora_" not in k]
+    assert len(frozen) > len(ref) / 2 and all(torch.equal(ref[k], sd[k]) for k in frozen)
+    torch.save(sd, tmp_path / "sd.pt")
+    fresh = prepared("every")
+    for m in fresh.modules():  # what the load must bring: the base's codes too
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.weight.data.zero_()
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=False))
+    assert all(torch.equal(sd[k], v) for k, v in fresh.state_dict().items())
+    disable_paged_base(model)
+
+
 def _strict(monkeypatch):  # noqa: ANN001, ANN202
     """The strict CUDA emulation (tests/tiers/strict_cuda.py), started once the model is
     prepared (its quantization is not what is checked), with CUDA's copy engine and a pinned
@@ -147,8 +178,14 @@ def test_the_stream_order_is_legal_under_strict_cuda(monkeypatch) -> None:  # no
     model = prepared("uniform:2")
     want_losses, want_grads = train(prepared("uniform:2"), steps=1)
     emu, tracked = _strict(monkeypatch)
+    roles: list[str] = []
+    real_stream = copy_module.copy_stream
+    monkeypatch.setattr(copy_module, "copy_stream",
+                        lambda device, name: roles.append(name) or real_stream(device, name))
     try:
         pager = enable_paged_base(model, 1)
+        # the weights' own side stream: a prefetch queues behind no activation offload
+        assert roles == ["weights"]
         losses, grads = train(model, steps=1)
         assert tracked["allocated"] > 0 and tracked["freed"] > 0
         assert isinstance(pager.engine, CudaCopyEngine) and pager.pool.tier == "host"
@@ -220,8 +257,20 @@ def test_bad_resident_layers_are_refused_naming_the_fix(bad) -> None:
 
 
 def test_check_resident_layers_accepts_all_and_counts() -> None:
-    assert check_resident_layers("all") == "all"
+    assert check_resident_layers("all") == "all" and check_resident_layers("auto") == "auto"
     assert check_resident_layers(0, 4) == 0 and check_resident_layers(4, 4) == 4
+
+
+@pytest.mark.parametrize("resident", ["all", "auto"])
+def test_all_and_auto_page_nothing(resident) -> None:  # noqa: ANN001
+    """``"auto"`` is tightfit train's planner's to choose; enabling alone pages nothing."""
+    model = prepared(None)
+    before = weights_of(model)
+    assert enable_paged_base(model, resident) is None
+    assert paged_base_of(model) is None
+    assert all(not b._forward_pre_hooks for b in model.base_model.model.model.layers)
+    after = weights_of(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_full_tier_changes_nothing(monkeypatch) -> None:  # noqa: ANN001
@@ -262,3 +311,26 @@ def test_prepare_refuses_bad_resident_layers_before_any_change(kw, match) -> Non
     with pytest.raises(ValueError, match=match):
         tightfit.prepare(model, checkpoint=None, **kw)
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+def test_a_resume_save_reads_no_full_state_dict(tmp_path) -> None:  # noqa: ANN001
+    """The resume state's adapter is saved from the trainable params: no block's state dict
+    is read (on a 70B base that would copy every paged layer's home to host RAM), and the
+    file holds what peft's own (full state dict) path writes."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from tightfit.train import resume
+
+    model = prepared("every")
+    pager = enable_paged_base(model, 1)
+    opt = tightfit.optimizer_for(model, kind="adamw", lr=1e-2)
+    reads: list[int] = []
+    for i, block in enumerate(pager.blocks):
+        block.register_state_dict_post_hook(lambda *_, i=i: reads.append(i))
+    folder = resume.save_state(tmp_path, 1, model, opt, [])
+    assert reads == [] and pager.device_bytes() == 0
+    saved = load_file(folder / "adapter" / "adapter_model.safetensors")
+    want = get_peft_model_state_dict(model)
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    disable_paged_base(model)

@@ -7,6 +7,8 @@ Here:
     dtypes: the dtype names of the CLI, the planner and the Python API (``torch_dtype``).
     cgroup: the memory cgroup that limits this process: its limit, charge and the room
         left (v1 and v2); the pressure probes and the pinned host tier read it.
+    heap: ``trim_heap``, freed heap pages back to the OS (glibc's ``malloc_trim``), so a
+        tier's freed bytes leave the RSS a probe or cgroup sees.
 
 Imports nothing of tightfit: every other folder may import it. Entry point:
 :class:`tightfit.MemoryTracker` (:class:`tightfit.measure.tracker.MemoryTracker`).

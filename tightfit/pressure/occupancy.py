@@ -16,9 +16,6 @@ step), so the benefit of an eviction is the bytes it frees: whole pages, fewest 
 from __future__ import annotations
 
 import collections
-import ctypes
-import functools
-import sys
 import time
 import traceback
 from collections.abc import Iterable
@@ -28,6 +25,7 @@ import torch
 from torch import nn
 
 from tightfit.measure.cgroup import limiting_cgroup
+from tightfit.measure.heap import trim_heap
 from tightfit.paging.store import PageStore
 from tightfit.pressure import probes
 from tightfit.pressure.probes import CgroupProbe, CudaProbe, Probe, RSSProbe
@@ -350,19 +348,7 @@ def _return_to_os(store: PageStore) -> None:
     if not store.on_cpu:
         return
     store.spill.release()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():  # noqa: ANN202 - a ctypes function or None
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # not glibc (e.g. musl)
-        return None
+    trim_heap()
 
 
 def _short(exc: BaseException) -> str:

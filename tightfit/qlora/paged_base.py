@@ -33,17 +33,16 @@ whenever they are back. That is why the paging follows the step exactly:
 
 Storages under ``min_bytes`` (the 64-byte NF4 code, the double-quant code and offset) and any
 storage shared with another block or with the rest of the model stay resident; so do MoE
-experts (:mod:`tightfit.qlora.experts` keeps them in buffers, not ``Params4bit``). Reading a
-block's ``state_dict`` brings its weights back (a state-dict pre-hook); they are paged out again
-when the model's next forward starts. :func:`disable_paged_base` brings everything back and
-removes the hooks.
+experts (:mod:`tightfit.qlora.experts` keeps them in buffers, not ``Params4bit``). A
+``state_dict`` of the model brings nothing back to the device: a state-dict post-hook on each
+block puts CPU copies read from the homes in place of its streamed entries (a save must not
+hold the whole streamed base on the device; the copies alias no storage a free empties).
+:func:`disable_paged_base` brings everything back and removes the hooks.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tightfit.checkpoint.apply import installed
+from tightfit.measure.heap import trim_heap
 from tightfit.model.blocks import resolve_blocks
 from tightfit.tiers.copy import CopyEngine, CudaCopyEngine
 from tightfit.tiers.regions import Region, RegionPool, disk_pool, pinned_pool
@@ -110,35 +110,30 @@ class _Layer:
         return sum(p.nbytes for p in self.pieces)
 
 
-def _four_bit_storages(block: nn.Module) -> list[torch.UntypedStorage]:
-    """Storages of ``block``'s ``Params4bit`` weights and their quantization state."""
+def _four_bit_tensors(block: nn.Module) -> list[torch.Tensor]:
+    """``block``'s ``Params4bit`` weights and the tensors of their quantization state."""
     import bitsandbytes as bnb
 
-    out: list[torch.UntypedStorage] = []
+    out: list[torch.Tensor] = []
     for module in block.modules():
         w = getattr(module, "weight", None)
         if not isinstance(w, bnb.nn.Params4bit) or w.quant_state is None:
             continue
         qs = w.quant_state
-        tensors = [w.data, qs.absmax, qs.code, qs.offset]
+        tensors = [w, qs.absmax, qs.code, qs.offset]
         if qs.state2 is not None:
             tensors += [qs.state2.absmax, qs.state2.code]
-        out += [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
+        out += [t for t in tensors if isinstance(t, torch.Tensor)]
     return out
+
+
+def _four_bit_storages(block: nn.Module) -> list[torch.UntypedStorage]:
+    """Storages of ``block``'s ``Params4bit`` weights and their quantization state."""
+    return [t.untyped_storage() for t in _four_bit_tensors(block)]
 
 
 def _uint8(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # not glibc
-        return None
 
 
 class PagedBase:
@@ -213,7 +208,9 @@ class PagedBase:
             # pinned with the other pinned users, against one budget: a host that cannot
             # pin the weights says so here (TierFullError), before any step
             pool = pinned_pool(grow, None, what="paged base weights", device=self.device)
-            return CudaCopyEngine(self.device), pool, None
+            # its own side stream: a block's prefetch must not queue behind the previous
+            # block's activation offload copies ("activations")
+            return CudaCopyEngine(self.device, stream_name="weights"), pool, None
         spill = SpillArea(self._spill_dir)
         return CopyEngine(), disk_pool(spill, grow, None), spill
 
@@ -238,7 +235,7 @@ class PagedBase:
                 functools.partial(self._pre_forward, i)))
             self._handles.append(block.register_forward_hook(
                 functools.partial(self._post_forward, i)))
-            self._handles.append(block.register_state_dict_pre_hook(
+            self._handles.append(block.register_state_dict_post_hook(
                 functools.partial(self._state_dict, i)))
             for m in block.modules():
                 if isinstance(m, bnb.nn.Linear4bit):
@@ -290,8 +287,8 @@ class PagedBase:
         for p in ly.pieces:
             self._deallocate(p)
         ly.loaded = False
-        if self.device.type == "cpu" and (trim := _malloc_trim()) is not None:
-            trim(0)  # glibc keeps freed heap pages mapped otherwise
+        if self.device.type == "cpu":
+            trim_heap()  # glibc keeps freed heap pages mapped otherwise
         self._note("free", ly.index)
 
     def _release_homes(self, regions: list[Region]) -> None:
@@ -380,9 +377,32 @@ class PagedBase:
         if not (torch.is_grad_enabled() and needs_grad):
             self.free_all()  # evaluation: no backward follows
 
-    def _state_dict(self, i: int, *_args: Any, **_kw: Any) -> None:
-        if i < len(self.layers):
-            self._ready(self.layers[i])
+    def _state_dict(self, i: int, _block: nn.Module, state_dict: dict[str, Any], prefix: str,
+                    _meta: Any) -> None:
+        """Block ``i``'s streamed entries of a ``state_dict``: CPU copies read from their homes.
+
+        Nothing comes back to the device (a save must not bring the whole streamed base back),
+        and the dict does not alias a storage the next free empties. ``keep_vars=True``
+        entries (the model's own tensors) are left as they are.
+        """
+        if i >= len(self.layers):
+            return
+        ly = self.layers[i]
+        pieces = {p.storage._cdata: p for p in ly.pieces}
+        live = {id(t) for t in _four_bit_tensors(self.blocks[i])}
+        copies: dict[int, torch.Tensor] = {}
+        for key, t in state_dict.items():
+            if not (key.startswith(prefix) and isinstance(t, torch.Tensor)) or id(t) in live:
+                continue
+            p = pieces.get(t.untyped_storage()._cdata)
+            if p is None:
+                continue
+            if id(p) not in copies:
+                copies[id(p)] = p.region.view[:p.nbytes].clone()  # the frozen bytes
+            home = copies[id(p)].untyped_storage()
+            state_dict[key] = torch.empty(0, dtype=t.dtype).set_(home, t.storage_offset(),
+                                                                 t.shape, t.stride())
+        self._release_homes([p.region for p in ly.pieces])
 
     # -- public --------------------------------------------------------------------------
     def free_all(self) -> None:
@@ -429,13 +449,16 @@ def enable_paged_base(model: nn.Module, resident_layers: ResidentLayers, *,
     Args:
         model: A prepared (4-bit) model; its blocks are found as the checkpoint planner finds
             them, or given as ``blocks``.
-        resident_layers: Blocks whose weights stay on the device; ``"all"`` pages nothing.
+        resident_layers: Blocks whose weights stay on the device; ``"all"`` pages nothing,
+            and so does ``"auto"`` here (``tightfit train``'s preflight turns it into the
+            planner's number before it calls this).
         blocks: The decoder blocks in forward order (default: discovered).
         spill_dir: Folder of the CPU's spill file (default: the temp folder).
         min_bytes: Storages smaller than this stay resident.
 
     Returns:
-        The :class:`PagedBase` (also ``model._tightfit_paged_base``), or ``None`` for ``"all"``.
+        The :class:`PagedBase` (also ``model._tightfit_paged_base``), or ``None`` for
+        ``"all"`` and ``"auto"``.
 
     Raises:
         ValueError: A bad ``resident_layers``, or paging already enabled on ``model``.
@@ -447,7 +470,7 @@ def enable_paged_base(model: nn.Module, resident_layers: ResidentLayers, *,
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("paged base weights are already enabled on this model; call "
                          "disable_paged_base(model) first to change resident_layers.")
-    if resident == "all":
+    if resident in ("all", "auto"):  # "auto": tightfit train's planner chooses; alone, none
         return None
     pager = PagedBase(model, chain, resident, spill_dir, min_bytes)
     object.__setattr__(model, STATE_ATTR, pager)

@@ -128,7 +128,9 @@ def save_state(
     tmp = Path(temp_path(states, ".tmp-") + f"-{name}")
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "adapter")
+        # the trainable params only: a full state dict would also copy the frozen 4-bit base
+        # to host RAM (and read every paged layer's home) for keys peft then drops
+        model.save_pretrained(tmp / "adapter", state_dict=trainable_state(model))
         save_optimizer(optimizer, tmp / OPTIMIZER)
         torch.save({"step": step, "rng": rng_state(), "history": history}, tmp / TRAINER)
         write_checksums(tmp)
@@ -137,6 +139,11 @@ def save_state(
         raise
     publish_state(out, tmp, final, keep)
     return final
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable params by their state-dict names: what peft's adapter file keeps."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def write_checksums(folder: Path) -> None:

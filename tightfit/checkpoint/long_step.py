@@ -303,6 +303,12 @@ def _halfway_budget(prof: Any, notes: list[str]) -> int:
     return budget
 
 
+def step_margin(total: int) -> int:
+    """Bytes kept free beside a long step's plan of ``total`` bytes of room (fragmentation,
+    what the plan does not see); ``tightfit train``'s preflight keeps the same."""
+    return int(MARGIN_FRACTION * total + MARGIN_BYTES)
+
+
 def step_capacity(model: nn.Module, dev: torch.device, room: Room) -> int:
     """What a step's activations may take of ``room``: less the gradients and an AdamW state
     of the trainable parameters (made after prepare) and a margin.
@@ -317,7 +323,7 @@ def step_capacity(model: nn.Module, dev: torch.device, room: Room) -> int:
         total = torch.cuda.mem_get_info(dev)[1]
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         total = int(total * (fraction(dev) if callable(fraction) else 1.0))
-    margin = int(MARGIN_FRACTION * total + MARGIN_BYTES)
+    margin = step_margin(total)
     capacity = room.bytes - trainable - margin
     if capacity <= 0:
         raise ValueError(f"no room is left for a step's activations: {room.limit} leaves "

@@ -7,7 +7,10 @@ the real limit:
 
 * on CUDA, the device's memory, less a CUDA context's overhead (the planner's default);
 * on the CPU, the memory cgroup's limit (else the machine's RAM), less what this process
-  already holds (Python, torch, transformers: measured now, before the model exists).
+  already holds (Python, torch, transformers: measured now, before the model exists) and the
+  margin :func:`tightfit.prepare`'s long-step plan keeps free
+  (:func:`tightfit.checkpoint.long_step.step_margin`), so that a step passed here is one
+  prepare accepts.
 
 What the options leave to the planner stays the planner's: ``--checkpoint budget`` gets the
 room left, ``--loss-chunks auto`` / ``--mlp-tile auto`` the long-context rules, and
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from tightfit.checkpoint.long_step import step_margin
 from tightfit.measure.cgroup import limiting_cgroup
 from tightfit.measure.sizes import format_bytes
 from tightfit.planner.host import HostLimit, host_limit
@@ -118,8 +122,11 @@ def real_limit(device: torch.device, spill_dir: str | None) -> tuple[int, str, i
         limit, source = cg.limit, "the memory cgroup's limit"
     else:
         limit, source = int(psutil.virtual_memory().total), "this machine's RAM"
-    # the process itself (interpreter, torch, transformers) is not the step's tensors
-    held = int(psutil.Process().memory_info().rss)
+    # the process itself (interpreter, torch, transformers) is not the step's tensors, and
+    # prepare's long-step plan keeps its margin free of the room left (step_margin): a step
+    # the preflight passes must be one prepare accepts
+    rss = int(psutil.Process().memory_info().rss)
+    held = rss + step_margin(max(0, limit - rss))
     # on the CPU the next tier is the spill folder's disk
     return limit, source, held, HostLimit(tier_capacity("disk", spill_dir), 1.0)
 

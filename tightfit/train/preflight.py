@@ -68,8 +68,8 @@ def _not_modelled(cfg: RunConfig) -> str | None:
         return "the built-in model"  # tiny: it fits anywhere
     if not (Path(t.model) / "config.json").is_file():
         return "a model folder without config.json"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "a run on several processes"
+    if t.fsdp or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # per-rank plans: tightfit plan --gpus
+        return "a run on several processes (or --fsdp)"
     if cfg.optimizer.kind not in PLANNED_OPTIMIZERS:
         return f"--optimizer {cfg.optimizer.kind}"
     if (p.checkpoint or "none").startswith("selective"):

@@ -345,7 +345,10 @@ def install(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> StrictCuda:
 
     def fake_empty(*size, pin_memory: bool = False, **kw):  # noqa: ANN002, ANN003, ANN202
         shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-        plain = set(kw) <= {"dtype", "device"} and str(kw.get("device") or "cpu") == "cpu"
+        # the device asked for, else the default one (transformers builds models under
+        # ``with torch.device("meta")``: those stay torch's)
+        device = kw.get("device") or torch.get_default_device()
+        plain = set(kw) <= {"dtype", "device"} and torch.device(device).type == "cpu"
         if (not pin_memory and plain and threading.get_ident() in emu._threads
                 and all(isinstance(n, int) for n in shape) and 0 not in shape and shape):
             return emu.new_empty(shape, kw.get("dtype") or torch.get_default_dtype())

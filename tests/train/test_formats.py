@@ -225,8 +225,9 @@ def test_instruction_tuning_end_to_end_and_refused_starts_write_nothing(tmp_path
     assert (out / "loss_curve.png").is_file()
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [*convs[:3], {"messages": convs[0]["messages"][:1]}])
-    for extra in (["--data", str(bad)], ["--data", str(data), "--seq-len", "4096"],
-                  ["--data", str(data), "--fields", "oops"]):
+    # (--seq-len 32: the model's 64 positions are checked before the data is read)
+    for extra in (["--data", str(bad), "--seq-len", "32"], ["--data", str(data), "--seq-len", "4096"],
+                  ["--data", str(data), "--fields", "oops", "--seq-len", "32"]):
         never = tmp_path / "never"
         assert main([*args[:3], *extra, "--out", str(never)]) == 2
         assert not never.exists()

@@ -41,15 +41,10 @@ sys.path.append(str(ROOT))
 import tightfit  # noqa: E402 (as PYTHONPATH or the venv finds it: the old code for "before")
 
 sys.path.insert(0, str(ROOT))  # the emulation and the counter are always this tree's tests/
-import tightfit.checkpoint as ck  # noqa: E402
-from tests.checkpoint.conftest import tiny_llama  # noqa: E402
-from tests.checkpoint.offloaded import MIN_BYTES, install  # noqa: E402
+from tests.optim.syncs import training_step_syncs  # noqa: E402
 from tests.tiers.counting import count_copies  # noqa: E402
 from tests.tiers.strict_cuda import install as emulate  # noqa: E402
 from tests.tiers.strict_cuda import uninstall  # noqa: E402
-from tightfit.checkpoint.plan import OffloadTier  # noqa: E402
-from tightfit.checkpoint.profile import step_loss  # noqa: E402
-from tightfit.checkpoint.tiling import enable_tiling  # noqa: E402
 from tightfit.optim.adamw import PagedAdam, PagedAdamW  # noqa: E402
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit  # noqa: E402
 from tightfit.optim.lion import PagedLion, PagedLion8bit  # noqa: E402
@@ -123,30 +118,12 @@ def optimizer_syncs(name: str, n: int, tier: str) -> list[int]:
 
 
 def training_syncs(layers: int, cls: type) -> list[list[int]]:
-    """(forward, backward, step) syncs of steps 2-3 of a tiny Llama, offloaded and tiled."""
+    """(forward, backward, step) syncs of steps 2-3 of a tiny Llama, offloaded and tiled
+    (the scenario of tests/optim/test_host_syncs.py)."""
     with Emulated() as emu, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        model = tiny_llama(layers=layers, hidden=64, vocab=256)
-        x = torch.randint(0, 256, (2, 64))
-        batch = {"input_ids": x, "labels": x}
-        tier = OffloadTier("host", 1e9, True, MIN_BYTES)
-        install(model, ck.profile(model, batch), ["stored_offload", "checkpoint_offload"],
-                tier=tier)  # fmt: skip
-        enable_tiling(model, 16)
-        opt = cls([p for p in model.parameters() if p.requires_grad], page_bytes=PAGE,
-                  device_budget=4 * PAGE)  # fmt: skip
-        out, box = [], []
-        for _ in range(3):
-            box.clear()
-            f = syncs(emu, lambda: box.append(step_loss(model, batch)))
-            b = syncs(emu, lambda: box[0].backward())
-            s = syncs(emu, opt.step)
-            opt.zero_grad()
-            out.append([f, b, s])
-        opt.close()
-        ck.disable(model)
-    return out[1:]
+        out = training_step_syncs(emu, layers, cls, PAGE)
+    return [list(t) for t in out[1:]]
 
 
 def measure() -> dict[str, Any]:

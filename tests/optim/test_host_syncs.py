@@ -21,18 +21,12 @@ import pytest
 import torch
 from torch import nn
 
-import tightfit.checkpoint as ck
-from tightfit.checkpoint.plan import OffloadTier
-from tightfit.checkpoint.profile import step_loss
-from tightfit.checkpoint.tiling import enable_tiling
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
 from tightfit.optim.adamw8bit import PagedAdam8bit, PagedAdamW8bit
 from tightfit.optim.lion import PagedLion, PagedLion8bit
 from tightfit.optim.sgd import PagedSGD
 
-from ..checkpoint.conftest import tiny_llama
-from ..checkpoint.offloaded import MIN_BYTES, install
-from .syncs import as_on_cuda, step_syncs, syncs_of
+from .syncs import as_on_cuda, step_syncs, training_step_syncs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 PAGE = 16 << 10
@@ -128,36 +122,6 @@ def test_more_than_64_buckets_read_the_step_counts_once(strict_cuda, monkeypatch
         opt.close()
 
 
-def _training_step_syncs(emu, layers: int, optimizer: type) -> list[tuple[int, int, int]]:  # noqa: ANN001
-    """(forward, backward, step) host syncs of 3 training steps of a tiny Llama with every
-    block's activations offloaded to pinned host memory, its MLPs tiled, and its params'
-    state streamed."""
-    torch.manual_seed(0)
-    model = tiny_llama(layers=layers, hidden=64, vocab=256)
-    x = torch.randint(0, 256, (2, 64))
-    batch = {"input_ids": x, "labels": x}
-    tier = OffloadTier("host", 1e9, True, MIN_BYTES)
-    install(model, ck.profile(model, batch), ["stored_offload", "checkpoint_offload"], tier=tier)
-    enable_tiling(model, 16)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params, page_bytes=PAGE, device_budget=4 * PAGE)
-    out = []
-    try:
-        box: list[torch.Tensor] = []
-        for _ in range(3):
-            box.clear()
-            forward = syncs_of(emu, lambda: box.append(step_loss(model, batch)))
-            backward = syncs_of(emu, lambda: box[0].backward())
-            step = syncs_of(emu, opt.step)
-            opt.zero_grad()
-            out.append((sum(forward.values()), sum(backward.values()), sum(step.values())))
-        assert opt.memory_stats()["resident_bytes"] < opt.memory_stats()["state_bytes"]
-    finally:
-        opt.close()
-        ck.disable(model)
-    return out
-
-
 @pytest.mark.parametrize("optimizer", [PagedAdamW, PagedAdamW8bit], ids=["adamw", "adamw8bit"])
 def test_a_training_step_with_offload_and_tiling_keeps_the_budget(strict_cuda, monkeypatch,
                                                                   optimizer) -> None:  # fmt: skip
@@ -165,8 +129,8 @@ def test_a_training_step_with_offload_and_tiling_keeps_the_budget(strict_cuda, m
     per forward, outside tightfit); backward (the offloaded activations' fetches, the tiles'
     recompute): none; the step: the optimizer's count above."""
     as_on_cuda(monkeypatch)
-    few = _training_step_syncs(strict_cuda, 2, optimizer)
-    many = _training_step_syncs(strict_cuda, 4, optimizer)
+    few = training_step_syncs(strict_cuda, 2, optimizer)
+    many = training_step_syncs(strict_cuda, 4, optimizer)
     per_step = 0 if optimizer is PagedAdamW else 1
     assert few[1:] == many[1:] == [(1, 0, per_step)] * 2, (few, many)
     assert 1 + per_step <= SYNC_BUDGET

@@ -104,6 +104,8 @@ def test_a_machine_too_small_for_the_plain_step_is_profiled_from_crops(
     monkeypatch.setattr(prepare_module, "machine_room",
                         lambda dev: long_step.Room(int(1.2 * lowest), "a test's machine"))
     monkeypatch.setattr(long_step, "CROP_TOKENS", T // 2)
+    # the fixed part of the margin is sized for real processes (MiBs); this room is KiBs
+    monkeypatch.setattr(long_step, "MARGIN_BYTES", {"cpu": 0, "cuda": 0})
     budget = int(0.6 * lowest)
     model = _prepare(base, checkpoint_budget=budget)
     info = model.tightfit_info

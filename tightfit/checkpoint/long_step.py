@@ -58,7 +58,11 @@ MIN_CROP_TOKENS = 64
 TILE_SHARE = 8  # a tile may add at most 1/8 to the smallest backward peak of the tiled MLP
 MIN_TILE = 64  # tiles below this many tokens make inefficient matmuls (tiling's own floor)
 MARGIN_FRACTION = 0.05  # of the device's memory, kept free beside the plan (fragmentation)
-MARGIN_BYTES = 256 << 20
+# and a fixed part per device type: on CUDA the allocator's rounding and split segments, cuBLAS
+# workspaces and kernels' scratch; on the CPU (the C heap with a fixed mmap threshold,
+# tightfit.measure.heap) the autograd graph's small objects and the heap's own slack, which
+# benchmarks/results/long_context_cgroup.md measures under a memory cgroup
+MARGIN_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}
 _MIB = 1 << 20
 
 
@@ -193,8 +197,11 @@ class _LongStep:
         capacity, source = checkpoint_budget, "checkpoint_budget"
         if capacity is None and dev.type == "cuda":
             capacity, source = step_capacity(model, dev, room), f"of {room.limit}"
-        crops, ext = _crops(model, example, room.bytes)
-        fits_machine = ext is None or ext.peak_bytes <= room.bytes
+        # a profile runs the step unchecked: it must fit the room less the margin, as the step
+        # does (under a memory cgroup a pass that reaches the limit is killed, not refused)
+        usable = usable_room(room, dev)
+        crops, ext = _crops(model, example, usable)
+        fits_machine = ext is None or ext.peak_bytes <= usable
         if capacity is None and not fits_machine:
             capacity, source = step_capacity(model, dev, room), f"of {room.limit}"
         if capacity is None:
@@ -303,10 +310,15 @@ def _halfway_budget(prof: Any, notes: list[str]) -> int:
     return budget
 
 
-def step_margin(total: int) -> int:
-    """Bytes kept free beside a long step's plan of ``total`` bytes of room (fragmentation,
-    what the plan does not see); ``tightfit train``'s preflight keeps the same."""
-    return int(MARGIN_FRACTION * total + MARGIN_BYTES)
+def step_margin(total: int, dev: torch.device) -> int:
+    """Bytes kept free beside a long step's plan of ``total`` bytes of room on ``dev``
+    (fragmentation, what the plan does not see); ``tightfit train``'s preflight keeps the same."""
+    return int(MARGIN_FRACTION * total + MARGIN_BYTES.get(dev.type, MARGIN_BYTES["cuda"]))
+
+
+def usable_room(room: Room, dev: torch.device) -> int:
+    """What of ``room`` a step (or a profiling pass of one) may take: less the margin."""
+    return max(0, room.bytes - step_margin(room.bytes, dev))
 
 
 def step_capacity(model: nn.Module, dev: torch.device, room: Room) -> int:
@@ -323,7 +335,7 @@ def step_capacity(model: nn.Module, dev: torch.device, room: Room) -> int:
         total = torch.cuda.mem_get_info(dev)[1]
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         total = int(total * (fraction(dev) if callable(fraction) else 1.0))
-    margin = step_margin(total)
+    margin = step_margin(total, dev)
     capacity = room.bytes - trainable - margin
     if capacity <= 0:
         raise ValueError(f"no room is left for a step's activations: {room.limit} leaves "

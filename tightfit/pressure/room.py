@@ -2,8 +2,8 @@
 
 On CUDA that is what :class:`~tightfit.pressure.probes.CudaProbe` reads as free: within the
 per-process memory fraction, the allocator's whole free segments included, the holes of split
-segments not; on the CPU the memory cgroup's room or the RAM available,
-whichever is smaller. :func:`tightfit.prepare` reads it once and hands the ``Room`` to
+segments not; on the CPU the memory cgroup's room (its limit less its charge without page
+cache) or the RAM available, whichever is smaller. :func:`tightfit.prepare` reads it once and hands the ``Room`` to
 :func:`tightfit.checkpoint.long_step.plan_activations`.
 """
 
@@ -13,8 +13,9 @@ import psutil
 import torch
 
 from tightfit.checkpoint.long_step import Room
+from tightfit.measure.cgroup import cgroup_room, limiting_cgroup
 from tightfit.measure.sizes import format_bytes
-from tightfit.pressure.probes import CudaProbe, RSSProbe, cgroup_memory_limit
+from tightfit.pressure.probes import CudaProbe
 from tightfit.tiers.pinned import meminfo
 
 
@@ -30,11 +31,14 @@ def machine_room(dev: torch.device) -> Room:
         return Room(max(0, cap - probe.used_bytes()), limit)
     available = mem_available()
     rooms = [Room(max(0, available), "the RAM available (MemAvailable)")]
-    cap = cgroup_memory_limit()
-    if cap is not None:
-        used = RSSProbe().used_bytes()
-        rooms.append(Room(max(0, cap - used), f"the memory cgroup's limit ({format_bytes(cap)}) "
-                                              f"less the {format_bytes(used)} this process uses"))
+    cg = limiting_cgroup()
+    left = cgroup_room(cg)
+    if cg is not None and cg.limit is not None and left is not None:
+        # what the kernel compares with the limit: the cgroup's charge less its page cache
+        # (measure.cgroup); not the RSS, which counts library pages another cgroup was charged
+        # for (170 MiB of torch's and transformers' in benchmarks/results/long_context_cgroup.md)
+        rooms.append(Room(left, f"the memory cgroup's limit ({format_bytes(cg.limit)}) less "
+                                f"the {format_bytes(cg.limit - left)} it charges now"))
     return min(rooms, key=lambda r: r.bytes)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tightfit.checkpoint.long_step import usable_room
 from tightfit.loss import auto_chunk_tokens
 from tightfit.measure.dtypes import dtype_name
 from tightfit.planner.estimate import Estimate, Overhead, estimate
 from tightfit.planner.presets import shape_from_config
 from tightfit.planner.train_setup import ALL_LINEAR, PLANNED_OPTIMIZERS, TrainSetup
 from tightfit.pressure.occupancy import default_probe
+from tightfit.pressure.room import machine_room
 from tightfit.qlora.prepare import PrepareInfo
 from tightfit.report.document import MemoryReport
 from tightfit.train.run_options import RunConfig
@@ -113,22 +115,26 @@ def compare(report: MemoryReport, est: Estimate, device_peak: int | None) -> lis
 
 def predicted_without_pass(run: Run, stats: dict[str, Any]) -> int | None:
     """The predicted activation peak of the report's step without the plan and the chunked
-    loss, when running it could pass the memory target; ``None``: measure it.
+    loss, when running it could pass the memory target or the machine's room; ``None``:
+    measure it.
 
-    The report runs the run's longest batch once more with both pieces off. With a target
-    (pressure on) that step must fit under it: the room is the target less what is in use
-    now, plus the optimizer's pages (the watch drains them first). When the planner predicts
-    more extra activation bytes than that room, the report shows the prediction instead of
-    risking the run's end (a memory cgroup kills; it does not raise).
+    The report runs the run's longest batch once more with both pieces off. That step must
+    fit what the machine has free now, less the long step's margin (a memory cgroup kills at
+    its limit; it does not raise), and with a target (pressure on) under the target too: the
+    target less what is in use now, plus the optimizer's pages (the watch drains them first).
+    When the planner predicts more than either room, the report shows the prediction instead
+    of risking the run's end.
     """
-    target = stats.get("target_bytes")
-    if target is None:
-        return None
     est, _ = planned_estimate(run)
     if est is None:
         return None
     bare = estimate(est.shape, est.setup.with_(checkpoint="none", checkpoint_budget=None,
                                                loss_chunk_tokens=None), Overhead(0, 0.0))
+    if bare.activation_peak > usable_room(machine_room(run.device), run.device):
+        return bare.activation_peak
+    target = stats.get("target_bytes")
+    if target is None:
+        return None
     probe = default_probe(run.device)
     room = int(target) - probe.used_bytes() + int(stats.get("device_bytes", 0))
     extra = bare.activation_peak - est.activation_peak

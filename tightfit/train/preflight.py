@@ -40,6 +40,7 @@ from tightfit.planner.presets import load_shape
 from tightfit.planner.run_fit import RunFit, run_fit
 from tightfit.planner.shapes import KNOWN_WEIGHTS
 from tightfit.planner.train_setup import PLANNED_OPTIMIZERS, TrainSetup
+from tightfit.pressure.room import machine_room
 from tightfit.tiers.regions import tier_capacity
 from tightfit.train.run_options import RunConfig
 
@@ -115,6 +116,8 @@ def real_limit(device: torch.device, spill_dir: str | None) -> tuple[int, str, i
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return total, f"{device}'s memory", CUDA_OVERHEAD, host_limit()
+    # reading the data imports datasets (and pyarrow), 80 MiB here: held before the data is read
+    import datasets  # noqa: F401
     import psutil
 
     cg = limiting_cgroup()
@@ -122,11 +125,11 @@ def real_limit(device: torch.device, spill_dir: str | None) -> tuple[int, str, i
         limit, source = cg.limit, "the memory cgroup's limit"
     else:
         limit, source = int(psutil.virtual_memory().total), "this machine's RAM"
-    # the process itself (interpreter, torch, transformers) is not the step's tensors, and
-    # prepare's long-step plan keeps its margin free of the room left (step_margin): a step
-    # the preflight passes must be one prepare accepts
-    rss = int(psutil.Process().memory_info().rss)
-    held = rss + step_margin(max(0, limit - rss))
+    # what is not the step's: the process itself (interpreter, torch, transformers) and, without
+    # a cgroup, the other processes (the room is what prepare's long-step plan reads, less its
+    # margin, step_margin): a step the preflight passes must be one prepare accepts
+    room = min(machine_room(device).bytes, limit)
+    held = limit - room + step_margin(room, device)
     # on the CPU the next tier is the spill folder's disk
     return limit, source, held, HostLimit(tier_capacity("disk", spill_dir), 1.0)
 

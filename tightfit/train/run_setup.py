@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tightfit.measure.heap import fix_mmap_threshold
 from tightfit.optim.optimizer_options import OptimizerOptions
 from tightfit.optim.registry import optimizer_for, trainable_parameters
 from tightfit.planner.host import host_limit
@@ -107,14 +108,19 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     t = cfg.train
     validate.check_run(cfg)  # the lr, device, folders: before torchrun starts or anything loads
     job = TrainJob.start(t.fsdp, t.batch_size, t.device,  # torchrun: one rank of N
-                         reshard_after_forward=t.zero3)
+                         reshard_after_forward=t.zero3, offload=t.fsdp_offload)
     if not job.is_main:
         log, progress = (lambda _msg: None), False
     out = _output_folder(t)
     saved = _check_output_folder(out, t)
     _set_threads(t)
+    step_device = _step_device(job, t.device)
+    if step_device.type == "cpu":
+        # freed activations go back to the OS between steps: the RSS (what the preflight, the
+        # pressure probe and a memory cgroup count) follows the live tensors
+        fix_mmap_threshold()
     # the planner on the run's own options against the real limit, before any data is read
-    pre = preflight.check_fits(cfg, _step_device(job, t.device))
+    pre = preflight.check_fits(cfg, step_device)
     cfg, t = pre.cfg, pre.cfg.train
     for note in pre.notes:
         log(f"note: {note}")

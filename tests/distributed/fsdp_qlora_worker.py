@@ -1,10 +1,11 @@
 """Worker for ``test_fsdp_qlora.py``: two scenarios of the QLoRA check in one 2-rank launch.
 
-    torchrun --nproc_per_node 2 tests/distributed/fsdp_qlora_worker.py ONE TWO RESUMED
+    torchrun --nproc_per_node 2 tests/distributed/fsdp_qlora_worker.py ONE TWO RESUMED OFFLOADED
 
 ``ONE`` holds the single-process run (its ``model/`` safetensors and ``saved/`` state).
-Writes a fresh sharded run to ``TWO`` (saving after step 2) and, in ``RESUMED``, the
-single-process saved state resumed on the 2 ranks.
+Writes a fresh sharded run to ``TWO`` (saving after step 2), in ``RESUMED`` the
+single-process saved state resumed on the 2 ranks, and in ``OFFLOADED`` a fresh run with the
+shards on the host (FSDP2's CPUOffloadPolicy, ``--fsdp-offload``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ STACK = {"offload": "inputs", "mlp_tile": 8}
 
 
 def main(argv: list[str]) -> int:
-    one, two, resumed = argv
+    one, two, resumed, offloaded = argv
     info = launch.init_from_env(device="cpu")
     model = os.path.join(one, "model")
-    for out, resume_from in ((two, ""), (resumed, os.path.join(one, "saved"))):
+    for out, resume_from, offload in ((two, "", False), (resumed, os.path.join(one, "saved"), False),
+                                      (offloaded, "", True)):
         os.makedirs(out, exist_ok=True)
         qlora_check.run(qlora_check.QloraCheck(out=out, model=model, resume_from=resume_from,
-                                               device="cpu", **STACK), info)  # fmt: skip
+                                               device="cpu", fsdp_offload=offload, **STACK),
+                        info)  # fmt: skip
     launch.close()
     return 0
 

@@ -35,16 +35,18 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp_qlora")
-    one, two, up, down = (root / n for n in ("one", "two", "one_on_two", "two_on_one"))
+    one, two, up, down, off = (root / n for n in ("one", "two", "one_on_two", "two_on_one",
+                                                  "offloaded"))
     assert qlora_check.main(["--out", str(one), "--device", "cpu", *STACK]) == 0
     try:
-        res = run_torchrun([str(WORKER), str(one), str(two), str(up)], 2, timeout_s=240)
+        res = run_torchrun([str(WORKER), str(one), str(two), str(up), str(off)], 2,
+                           timeout_s=300)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun fsdp_qlora_worker timed out (killed):\n{exc.stderr}")
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     assert qlora_check.main(["--out", str(down), "--device", "cpu", "--model", str(one / "model"),
                              "--resume-from", str(two / "saved"), *STACK]) == 0
-    return {"one": one, "two": two, "one_on_two": up, "two_on_one": down}
+    return {"one": one, "two": two, "one_on_two": up, "two_on_one": down, "offloaded": off}
 
 
 def _result(folder: Path) -> dict:
@@ -77,6 +79,19 @@ def test_each_rank_holds_half_the_base_and_gathers_one_block(runs) -> None:
         assert r["block"] <= r["gathered_peak"] <= 1.05 * r["block"]
     assert sum(r["held"] for r in ranks) <= 1.01 * ranks[0]["whole"]
     assert all(r["embedding_unit"] for r in ranks)  # untied and frozen: a unit of its own
+    assert not any(r["shards_on_host"] for r in ranks)
+
+
+def test_shards_on_the_host_train_like_one_process(runs) -> None:
+    # --fsdp-offload: FSDP2's CPUOffloadPolicy on every unit (on the CPU the host is the
+    # device: what this shows is that the policy is in place and changes no value)
+    one, off = _result(runs["one"]), _result(runs["offloaded"])
+    assert all(r["shards_on_host"] for r in off["ranks"]) and len(off["ranks"]) == 2
+    assert max(abs(a - b) for a, b in zip(one["losses"], off["losses"])) <= TOL
+    assert _adapter_diff(runs["one"], runs["offloaded"]) <= TOL
+    for r in off["ranks"]:
+        assert abs(r["held"] - r["whole"] / 2) <= 0.05 * r["whole"] / 2
+        assert r["block"] <= r["gathered_peak"] <= 1.05 * r["block"]
 
 
 @pytest.mark.parametrize("resumed", ["one_on_two", "two_on_one"])

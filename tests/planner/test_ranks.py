@@ -85,15 +85,43 @@ def test_two_ranks_shard_and_gather() -> None:
     assert two.start_peak > two.weights + two.constants + u.head + 2 * u.embed
 
 
-def test_70b_needs_three_24gib_gpus_and_the_plan_says_so() -> None:
-    one = plan("llama-3.3-70b", "24GiB", seq_len=2048)
+def test_70b_needs_three_24gib_gpus_with_a_small_host_and_the_plan_says_so() -> None:
+    # 16 GiB of RAM pins 8: too little for the shards on the host (--fsdp-offload)
+    one = plan("llama-3.3-70b", "24GiB", seq_len=2048, host_ram="16GiB")
     assert one.recommended is None and one.fewest is not None and one.fewest.gpus == 3
     text = str(one)
     assert "fewest GPUs: 3 x 24.0 GiB" in text
     assert "torchrun --nproc_per_node 3 -m tightfit.cli train --fsdp --model DIR" in text
-    two = plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=2)
+    two = plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=2, host_ram="16GiB")
     assert two.recommended is None and two.fewest.gpus == 3
     assert "per rank" in str(two) and "gather" in str(two)
+
+
+def test_70b_fits_two_24gib_gpus_with_the_shards_on_the_host() -> None:
+    report = plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=2, host_ram="128GiB")
+    row = report.recommended
+    assert row is not None and row.setup.fsdp_offload and row.estimate.sharded
+    e = row.estimate
+    assert e.total <= 24 * 2**30 and e.fits_host
+    # the rank's shards (half the 35.8 GiB base, LoRA, grads) are the host's, not the GPU's
+    assert e.weights + e.constants + e.lora < 2**30
+    assert 19 * 2**30 < e.host_weights < 20 * 2**30
+    text = str(report)
+    assert "--fsdp" in text and "--fsdp-offload" in text and "torchrun --nproc_per_node 2" in text
+    # the rows that keep the shards on the GPU do not fit
+    assert not any(r.fits for r in report.rows if not r.setup.fsdp_offload)
+
+
+def test_fsdp_offload_moves_the_shards_not_what_is_gathered() -> None:
+    shape = load_shape("llama-3.1-8b")
+    setup = TrainSetup(seq_len=2048, checkpoint="every")
+    on, off = (rank_estimate(shape, setup.with_(fsdp_offload=f), None, 2) for f in (False, True))
+    u = unit_bytes(shape, setup)
+    assert off.gathered == on.gathered and off.activations == on.activations
+    assert off.lora == 0 and off.optimizer == 0 and off.grads == u.lora
+    moved = on.weights + on.constants + on.lora + on.lora - off.weights - off.constants
+    assert off.host_weights == moved and off.optimizer_offloaded == on.optimizer
+    assert off.total < on.total - 2 * 2**30
 
 
 def test_global_batch_splits_per_rank_and_the_command_is_torchruns() -> None:
@@ -166,8 +194,8 @@ def test_verify_with_gpus_is_refused_before_planning() -> None:
 
 def test_max_seq_that_fits_nothing_says_how_many_gpus_would() -> None:
     # the 70B's head, embeddings (gathered twice at forward's start) and overhead alone
-    # outgrow an 8 GiB rank: no count fits
-    report = plan("llama-3.3-70b", "8GiB", maximize="seq", host_ram="256GiB")
+    # outgrow a 6 GiB rank, its shards on the host or not: no count fits
+    report = plan("llama-3.3-70b", "6GiB", maximize="seq", host_ram="256GiB")
     assert report.recommended is None and report.fewest is not None
     assert report.fewest.gpus == 0 and report.fewest.searched_to == 64
-    assert "fewest GPUs: none up to 64 x 8.00 GiB" in str(report)
+    assert "fewest GPUs: none up to 64 x 6.00 GiB" in str(report)

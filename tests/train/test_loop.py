@@ -181,6 +181,10 @@ def test_cli_trains_and_reports_errors(tmp_path, tiny_dir, capsys) -> None:
     assert rc == 2
     assert "--zero3 only applies to FSDP2" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+    rc = main(["train", "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--fsdp-offload"])
+    assert rc == 2
+    assert "--fsdp-offload keeps FSDP2's shards on the host; add --fsdp" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_model_folder_tokenizer_is_used(tmp_path, tiny_dir) -> None:

@@ -17,7 +17,7 @@ from tightfit.model.blocks import find_blocks
 from tightfit.qlora.quantize import linear4bit_layers
 from tightfit.qlora.shardable import make_shardable
 
-__all__ = ["Strategy", "find_blocks", "shard_model", "unshardable"]
+__all__ = ["Strategy", "find_blocks", "shard_model", "shards_on_host", "unshardable"]
 
 Strategy = Literal["fsdp", "ddp"]
 
@@ -30,6 +30,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     shard_frozen: bool = True,
     device: torch.device | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Make ``model`` data-parallel over the default process group.
 
@@ -49,6 +50,13 @@ def shard_model(
             :func:`tightfit.qlora.shardable.make_shardable`). ``False`` leaves them
             replicated on every rank (``fully_shard(ignored_params=...)``).
         device: this rank's device (default: the model's); pass it for a model on meta.
+        offload: FSDP2: keep every sharded parameter, its gradient and so the optimizer
+            step on the host (FSDP2's own ``CPUOffloadPolicy``, pinned on CUDA); a unit's
+            shards are copied to ``device`` for its all-gather and the unsharded block lives
+            there while it runs. The device then holds only what is gathered (the root and
+            the blocks in flight), the buffers and the activations. ``tightfit train
+            --fsdp --fsdp-offload``; what ``tightfit plan --gpus N`` adds when the shards
+            alone leave too little room.
 
     Returns:
         The module to train and to hand to DCP's state-dict helpers.
@@ -65,12 +73,15 @@ def shard_model(
             "tightfit.distributed.launch.init_from_env() first"
         )
     device = device if device is not None else next(model.parameters()).device
+    if strategy == "ddp" and offload:
+        raise ValueError("offload applies to FSDP2's shards; DDP replicas keep the whole model "
+                         "on each device: use strategy='fsdp' (tightfit train --fsdp)")
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if shard_frozen:
         # refuse before any layer changes: the 4-bit weights converted below are let through
@@ -80,6 +91,8 @@ def shard_model(
         for _, layer in list(linear4bit_layers(model)):
             make_shardable(layer)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    # pinned host shards (their copy to the device can overlap); the CPU has nothing to pin
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
 
     def frozen(module: nn.Module) -> set[nn.Parameter] | None:
         return None if shard_frozen else {p for p in module.parameters() if not p.requires_grad}
@@ -90,15 +103,30 @@ def shard_model(
         fully_shard(
             block, mesh=mesh, ignored_params=frozen(block),
             reshard_after_forward=reshard_after_forward or (shard_frozen and has_frozen),
+            offload_policy=policy,
         )  # fmt: skip
     embed = _frozen_untied_embedding(model) if shard_frozen else None
     if embed is not None:  # used once, at the start: gathered for its lookup only
-        fully_shard(embed, mesh=mesh, reshard_after_forward=True)
+        fully_shard(embed, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
     # the root (norm, head; the embeddings when tied) stays gathered from forward to
     # backward, which needs it at once; torchtitan does the same
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model))
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model),
+                offload_policy=policy)
     _prefetch_one_ahead(blocks)
     return model
+
+
+def shards_on_host(model: nn.Module) -> bool:
+    """Whether FSDP2 keeps every sharded parameter of ``model`` on the host
+    (``shard_model(offload=True)``); ``False`` when any stays on the device or none is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    flags = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group  # noqa: SLF001 (torch's own)
+            flags += [p.offload_to_cpu for p in (group.fsdp_params if group else [])]
+    return bool(flags) and all(flags)
 
 
 def _frozen_untied_embedding(model: nn.Module) -> nn.Module | None:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
+from tightfit.distributed.parallelize import shards_on_host
 from tightfit.optim.dtensor import is_dtensor
 from tightfit.qlora.shardable import BASE_PIECES, base_bytes, shardable_layers
 
@@ -61,6 +62,7 @@ class QloraCheck:
     device_budget: int = 8192  # per rank: pages move every step
     device: str = "auto"
     seed: int = 0
+    fsdp_offload: bool = False  # under torchrun: the shards on the host (CPUOffloadPolicy)
 
 
 def write_tiny_model(folder: str, opts: QloraCheck) -> None:
@@ -103,7 +105,8 @@ def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
     if info.distributed:
         from tightfit.distributed.sharded_load import load_sharded
 
-        return load_sharded(folder, options, lora=lora, example=example, device=info.device)
+        return load_sharded(folder, options, lora=lora, example=example, device=info.device,
+                            offload=opts.fsdp_offload)
     from tightfit.qlora.prepare import prepare
 
     return prepare(folder, options, lora=lora, example=example, device=info.device)
@@ -188,7 +191,8 @@ def run(opts: QloraCheck, info: launch.DistInfo) -> dict:
         if step + 1 == opts.save_at and not opts.resume_from:
             dcp.save(os.path.join(opts.out, "saved"), model, optimizer,
                      extra={"step": step + 1}, trainable_only=True)  # fmt: skip
-    mine = {**base_bytes(model), **seen, "embedding_unit": _own_unit(model)}
+    mine = {**base_bytes(model), **seen, "embedding_unit": _own_unit(model),
+            "shards_on_host": info.distributed and shards_on_host(model)}
     if info.device.type == "cuda":  # the whole rank's peak: base, LoRA, state, activations
         mine["cuda_peak"] = torch.cuda.max_memory_allocated(info.device)
     ranks = launch.gather_objects(mine)

@@ -33,7 +33,14 @@ from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.paged_weights import fit_resident_layers
 from tightfit.planner.presets import ModelShape, load_shape, model_folder
-from tightfit.planner.ranks import MAX_GPUS, RankEstimate, check_gpus, global_batch, step_estimate
+from tightfit.planner.ranks import (
+    MAX_GPUS,
+    RankEstimate,
+    check_gpus,
+    ddp_only,
+    global_batch,
+    step_estimate,
+)
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import Fewest, PlanReport, Row
 from tightfit.planner.train_args import train_args
@@ -205,7 +212,8 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
     budget, and the checkpoint / optimizer budgets of the room the device leaves. On
     ``sizing.gpus`` > 1, ``batch`` is one rank's rows, the host budget its share (the ranks
     of one machine pin from one RAM), and no layer's weights stream (the base is sharded;
-    ``--resident-layers`` is not applied under ``--fsdp``)."""
+    ``--resident-layers`` is not applied under ``--fsdp``): the long-context rung keeps the
+    shards on the host instead (``--fsdp-offload``) when they leave too little room."""
     shape = sizing.shape
     gpus = sizing.gpus
     setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,
@@ -223,7 +231,15 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
             return est.total <= sizing.usable_bytes
 
         setup = fit_resident_layers(setup, shape.layers, fits)
-    return _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
+    fitted = _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
+    if rung.paged_weights and gpus > 1 and ddp_only(shape, setup) is None:
+        # the base's rung on N GPUs: when the shards leave too little room, they wait on
+        # the host (FSDP2's CPUOffloadPolicy, --fsdp-offload) instead of streaming layers
+        est = step_estimate(shape, fitted, sizing.overhead, gpus)
+        if est.total > sizing.usable_bytes:
+            fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), sizing.usable_bytes,
+                                  sizing.overhead, gpus)
+    return fitted
 
 
 def evaluate(rung: Rung, sizing: Sizing, setup: TrainSetup) -> Row:

@@ -27,6 +27,12 @@ Under FSDP2 (:mod:`tightfit.distributed.parallelize`, the runtime this models) a
 * **activations** of its own rows: ``tightfit train``'s ``--batch-size`` is the global batch,
   a rank trains on ``batch / N`` of it.
 
+With ``setup.fsdp_offload`` (``tightfit train --fsdp --fsdp-offload``: FSDP2's
+``CPUOffloadPolicy`` on every unit) the shards, their grads and the optimizer state are the
+host's (``host_weights``, ``optimizer_offloaded``): the device keeps the buffers, the gathered
+units, the unsharded grads of the block in backward, one block's shard copied over as its
+all-gather input (``comm``) and the activations.
+
 The step's peak is the larger of two moments: the activation peak in backward (shards +
 root + two blocks + activations), and the start of forward, where an untied frozen input
 embedding (a unit of its own, gathered for its lookup only) is gathered beside the root with
@@ -226,13 +232,21 @@ def rank_estimate(shape: ModelShape, setup: TrainSetup, overhead: Overhead | Non
                + _shard(u.embed, ranks) + u.rotary)
     constants = layers * (_shard(u.constants, ranks) + u.replicated)
     lora = layers * _shard(u.lora, ranks)
-    grads = lora + u.lora  # its shards + the block in backward's unsharded grads
     state = _shard(optimizer_state_bytes(shape, setup), ranks)
     resident = state
     if setup.paged and setup.optimizer_device_budget is not None:
         resident = min(state, setup.optimizer_device_budget)
     gathered = u.head + GATHERED_BLOCKS * u.block
     comm = u.lora  # the reduce-scatter input of the block just done
+    host_weights = 0
+    if setup.fsdp_offload:
+        # CPUOffloadPolicy: the shards, their grads and the optimizer (its step runs on the
+        # host params) wait on the host; a unit's shard is copied to the device as its
+        # all-gather input; the buffers (code books, rotary tables) stay on the device
+        host_weights = weights - u.rotary + constants - layers * u.replicated + 2 * lora
+        weights, constants, lora = u.rotary, layers * u.replicated, 0
+        resident, comm = 0, comm + _shard(u.block, ranks)
+    grads = lora + u.lora  # its shards + the block in backward's unsharded grads
     shards = weights + constants + lora + lora + resident  # params, grads, state
     tensors = (weights + constants + lora + grads + resident + gathered + comm
                + one.activation_peak)
@@ -240,7 +254,7 @@ def rank_estimate(shape: ModelShape, setup: TrainSetup, overhead: Overhead | Non
     start = shards + u.head + max(u.head, 2 * u.embed)
     base.update(weights=weights, constants=constants, lora=lora, grads=grads,
                 optimizer=resident, optimizer_offloaded=state - resident,
-                overhead=overhead.bytes_for(tensors))
+                host_weights=host_weights, overhead=overhead.bytes_for(tensors))
     return RankEstimate(**base, ranks=ranks, gathered=gathered, comm=comm,
                         start_peak=start + overhead.bytes_for(start), block_bytes=u.block,
                         root_bytes=u.head)

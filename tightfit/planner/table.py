@@ -275,7 +275,7 @@ def _row_notes(r: Row, layers: int) -> list[str]:
     if e.host_activations:
         what = "layer inputs" if setup.offload == "inputs" else "activations"
         extra.append(f"{what} {format_bytes(e.host_activations)} on the host")
-    if e.host_weights:
+    if e.host_weights and not setup.fsdp_offload:  # FSDP2's host shards: the rank's note
         extra.append(f"base weights: {setup.resident_layers}/{layers} layers resident, "
                      f"{format_bytes(e.host_weights)} on the host")
     if setup.mlp_tile is not None:
@@ -300,6 +300,9 @@ def _rank_notes(e: Estimate) -> list[str]:
     head = "head = embeddings" if e.shape.tie_embeddings else "head"
     text = (f"FSDP2: everything sharded 1/{e.ranks}; gathered: the root ({head}, final norm) "
             f"{format_bytes(e.root_bytes)} + 2 blocks of {format_bytes(e.block_bytes)}")
+    if e.setup.fsdp_offload:
+        text += (f"; the shards and the optimizer step on the host (--fsdp-offload): "
+                 f"{format_bytes(e.host_weights)} a rank")
     if e.start_peak >= sum(e.pieces().values()):
         text += f"; peak at forward's start (the embeddings gathered): {format_bytes(e.start_peak)}"
     return [text]

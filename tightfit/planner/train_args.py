@@ -59,6 +59,8 @@ def train_args(setup: TrainSetup) -> tuple[str, ...]:
              "--mlp-tile", "none" if setup.mlp_tile is None else str(setup.mlp_tile)]
     if setup.resident_layers != "all":
         args += ["--resident-layers", str(setup.resident_layers)]
+    if setup.fsdp_offload:
+        args += ["--fsdp-offload"]
     args += ["--optimizer", setup.optimizer]
     if setup.paged and setup.optimizer_device_budget is not None:
         args += ["--device-budget", size_arg(setup.optimizer_device_budget)]

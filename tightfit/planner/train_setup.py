@@ -91,6 +91,10 @@ class TrainSetup:
         resident_layers: Decoder layers whose NF4 weights stay on the device (``tightfit
             train --resident-layers``); the others wait on the host and stream in one layer
             ahead (:mod:`tightfit.planner.paged_weights`); ``"all"``: nothing streams.
+        fsdp_offload: On more than one GPU under FSDP2 (``tightfit train --fsdp
+            --fsdp-offload``): every rank's shards (base, constants, LoRA, grads) and the
+            optimizer step wait on the host (FSDP2's ``CPUOffloadPolicy``); the device holds
+            the units gathered in flight (:mod:`tightfit.planner.ranks`).
     """
 
     seq_len: int = 2048
@@ -115,6 +119,7 @@ class TrainSetup:
     mlp_tile: int | None = None
     host_budget: int | None = None
     resident_layers: int | Literal["all"] = "all"
+    fsdp_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "lora_r", "blocksize"):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tightfit.distributed import dcp, launch
-from tightfit.distributed.parallelize import shard_model
+from tightfit.distributed.parallelize import shard_model, shards_on_host
 from tightfit.distributed.sharded_load import load_sharded
 from tightfit.optim.dtensor import is_dtensor, local_numel
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
@@ -46,6 +46,9 @@ class TrainJob:
     # A block with a frozen base (QLoRA) is always ZeRO-3: its base is sharded, and ZeRO-2
     # would hold every block's gathered base at the end of forward (shard_model forces it).
     reshard_after_forward: bool = False
+    # FSDP2: every shard (base, LoRA, grads) and the optimizer step on the host
+    # (CPUOffloadPolicy, --fsdp-offload); the device holds what is gathered in flight
+    offload: bool = False
     # the model FSDP2 sharded (set by wrap / load_sharded): the report's per-rank base bytes
     sharded: nn.Module | None = field(default=None, repr=False)
 
@@ -60,10 +63,11 @@ class TrainJob:
     # ------------------------------------------------------------------ setup
     @classmethod
     def start(cls, fsdp: bool, batch_size: int, device: str | None = None, *,
-              reshard_after_forward: bool = False) -> TrainJob:
+              reshard_after_forward: bool = False, offload: bool = False) -> TrainJob:
         """Initialize from torchrun's environment (or a single process without it).
 
-        ``reshard_after_forward`` picks ZeRO-3 over ZeRO-2 under ``fsdp`` (see the field).
+        ``reshard_after_forward`` picks ZeRO-3 over ZeRO-2 under ``fsdp``, ``offload`` keeps
+        the shards on the host (see the fields).
 
         Raises:
             ValueError: ``fsdp`` without torchrun, a global batch the ranks cannot split, or
@@ -86,7 +90,7 @@ class TrainJob:
         _refuse_device_index(device)
         kind = "auto" if device is None else torch.device(device).type
         info = launch.init_from_env(device=kind)  # type: ignore[arg-type]
-        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward)
+        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward, offload and fsdp)
 
     def model_device(self, requested: str | None) -> str | torch.device | None:
         """Where the model and optimizer go: this rank's device under torchrun (the one NCCL
@@ -100,7 +104,8 @@ class TrainJob:
         if self.strategy == "ddp":
             return shard_model(model, "ddp")
         # The frozen base, grads and the paged optimizer state are sharded either way.
-        self.sharded = shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward)
+        self.sharded = shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward,
+                                   offload=self.offload)
         return self.sharded
 
     def loads_shards(self, model_folder: str | None) -> bool:
@@ -122,7 +127,8 @@ class TrainJob:
         whole model): :func:`tightfit.distributed.sharded_load.load_sharded`. ``check`` runs
         on the model while it is still on the meta device, before any weight is read."""
         self.sharded = load_sharded(folder, options, lora=lora, example=example,
-                                    device=self.info.device, check=check)  # fmt: skip
+                                    device=self.info.device, check=check,
+                                    offload=self.offload)  # fmt: skip
         return self.sharded
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -183,6 +189,7 @@ class TrainJob:
         )
         if self.sharded is not None:  # the 4-bit base: this rank's shards, the whole, a block
             mine["base_bytes"] = base_bytes(self.sharded)
+            mine["shards_on_host"] = shards_on_host(self.sharded)
         return {"world_size": self.info.world_size, "strategy": self.strategy,
                 "ranks": self.gather(mine)}  # fmt: skip
 

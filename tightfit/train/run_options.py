@@ -37,13 +37,14 @@ _FIELD_NAMES = sorted({f for names in FORMAT_FIELDS.values() for f in names})
 # optimizer state of every step). --steps changes a decaying schedule's horizon; setup says so.
 RESUME_FREE = frozenset({
     "train.steps", "train.epochs", "train.out", "train.resume", "train.save_every", "train.track_every",
-    "train.eval_every", "train.threads", "train.fsdp", "train.zero3", "optimizer.spill_dir",
+    "train.eval_every", "train.threads", "train.fsdp", "train.zero3", "train.fsdp_offload",
+    "optimizer.spill_dir",
     "optimizer.target",  # paging is exact: where the state waits never changes a value
     "prepare.resident_layers",  # nor where the frozen base waits
 })
 # Options of one launch, not of the run: a resume does not inherit them (give --fsdp again
 # under torchrun; a plain process resumes an FSDP2 run without it).
-LAUNCH_KEYS = frozenset({"train.fsdp", "train.zero3"})
+LAUNCH_KEYS = frozenset({"train.fsdp", "train.zero3", "train.fsdp_offload"})
 
 # How an option's key becomes its command-line flag: a prefix per group, and renamed fields.
 FLAG_PREFIX = {"lora": "lora_"}
@@ -142,6 +143,15 @@ class TrainOptions:
                           "default ZeRO-2 keeps them until backward"},
     )
 
+    fsdp_offload: bool = field(
+        default=False,
+        metadata={"help": "with --fsdp: keep every rank's shards (the 4-bit base, LoRA, grads) "
+                          "and the optimizer step on the host, FSDP2's CPUOffloadPolicy: the "
+                          "GPU holds only the blocks gathered in flight, the root and the "
+                          "activations (what tightfit plan --gpus N adds when the shards alone "
+                          "leave too little room)"},
+    )
+
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "save_every"):
             if getattr(self, name) < 1:
@@ -153,6 +163,9 @@ class TrainOptions:
                              "e.g. --epochs 3.")
         if self.zero3 and not self.fsdp:
             raise ValueError("--zero3 only applies to FSDP2 sharding; add --fsdp (under torchrun).")
+        if self.fsdp_offload and not self.fsdp:
+            raise ValueError("--fsdp-offload keeps FSDP2's shards on the host; add --fsdp "
+                             "(under torchrun), or drop --fsdp-offload.")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"--grad-clip must be > 0 or none, got {self.grad_clip}.")
         if self.threads is not None and self.threads < 1:

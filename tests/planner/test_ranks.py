@@ -136,17 +136,19 @@ def test_global_batch_splits_per_rank_and_the_command_is_torchruns() -> None:
     assert d["gpus"] == 2 and d["rows"][0]["ranks"] == 2 and d["fewest"]["gpus"] == 1
 
 
-def test_moe_4bit_rows_are_ddp_only() -> None:
+def test_moe_rows_are_ddp_only() -> None:
+    # tightfit train --fsdp refuses MoE experts before any weight is read, 4-bit or not
     report = plan("mixtral-8x7b", "80GiB", seq_len=1024, gpus=2)
     by_quant = {r.setup.quant: r for r in report.rows}
-    ddp = by_quant["nf4"].estimate
-    assert isinstance(ddp, RankEstimate) and not ddp.sharded and "MoE" in ddp.ddp
-    assert "--fsdp" not in by_quant["nf4"].train_args
-    assert by_quant["none"].estimate.sharded
+    for quant in ("nf4", "none"):
+        ddp = by_quant[quant].estimate
+        assert isinstance(ddp, RankEstimate) and not ddp.sharded and "MoE" in ddp.ddp
+        assert "--fsdp" not in by_quant[quant].train_args
     assert "DDP only" in str(report)
     mixtral = load_shape("mixtral-8x7b")
-    assert "MoE" in (ddp_only(mixtral, TrainSetup(seq_len=16, quant="nf4")) or "")
-    assert ddp_only(mixtral, TrainSetup(seq_len=16, quant="none")) is None
+    for quant in ("nf4", "none"):
+        assert "MoE" in (ddp_only(mixtral, TrainSetup(seq_len=16, quant=quant)) or "")
+    assert ddp_only(load_shape("llama-3.1-8b"), TrainSetup(seq_len=16, quant="none")) is None
 
 
 def test_max_batch_counts_the_global_batch_in_multiples_of_the_gpus() -> None:

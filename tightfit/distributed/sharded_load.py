@@ -125,13 +125,17 @@ def check_fsdp_model(model: nn.Module, options: PrepareOptions, lora: LoraOption
             "paging the base to the next tier is not supported under --fsdp; drop "
             "--resident-layers (or pass 'all'), or add GPUs (tightfit plan --gpus N), or "
             "train without --fsdp to page the base")
-    if options.quant is not None and list(expert_modules(model)):
-        name = next(iter(expert_modules(model)))[0]
+    experts = expert_modules(model)
+    if experts:
+        name = experts[0][0]
+        why = ("its 4-bit expert stacks keep their constants as buffers, which FSDP2 does not "
+               "cut, and " if options.quant is not None else "")
         raise ValueError(
-            f"--fsdp cannot shard this model's MoE experts ({name}): its fused 3-D expert "
-            "weights are stored in 4 bits with their constants as buffers, which tightfit's "
-            "sharded loading does not cut yet; train it without --fsdp, or with --quant none"
-        )
+            f"--fsdp cannot load this model's MoE experts ({name}, "
+            f"{type(experts[0][1]).__name__}) shard by shard: {why}transformers fuses the "
+            "checkpoint's per-expert weights into 3-D stacks as it loads (renamed keys, "
+            "concatenated and stacked tensors), which tightfit's sharded loader does not do; "
+            "train it without --fsdp (one process, or DDP replicas under torchrun)")
     from transformers.pytorch_utils import Conv1D
 
     if options.quant is None and lora is not None and any(

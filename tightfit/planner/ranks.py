@@ -39,8 +39,9 @@ embedding (a unit of its own, gathered for its lookup only) is gathered beside t
 its all-gather output (shards + root + 2 x embedding; tied: 2 x root) while activations are
 still small.
 
-A configuration FSDP2 cannot shard (:func:`ddp_only`: 4-bit MoE experts, whose
-constants are buffers the sharded loader does not cut; the LLM.int8 base) runs under DDP:
+A configuration FSDP2 cannot shard (:func:`ddp_only`: MoE experts, which transformers
+fuses from the checkpoint's per-expert tensors as it loads and which 4-bit keeps with their
+constants as buffers, neither of which the sharded loader does; the LLM.int8 base) runs under DDP:
 every rank holds the whole model, and DDP's gradient buckets a second copy of the grads
 (``DistributedDataParallel(gradient_as_bucket_view=False)``, torch's default: "the saved
 memory size will be equal to the total gradients size" when it is True).
@@ -124,9 +125,10 @@ def ddp_only(shape: ModelShape, setup: TrainSetup) -> str | None:
     """Why this configuration can only run as DDP (``None``: FSDP2 can shard it):
     ``tightfit train --fsdp`` refuses it, as :mod:`tightfit.distributed` does before any
     weight is read."""
-    if setup.quant != "none" and shape.is_moe:
-        return ("--fsdp cannot shard 4-bit MoE experts (their constants are buffers the "
-                "sharded loader does not cut): DDP, every rank holds the whole model")
+    if shape.is_moe:
+        return ("--fsdp cannot load MoE experts shard by shard (transformers fuses the "
+                "checkpoint's per-expert weights as it loads; 4-bit experts keep their "
+                "constants as buffers): DDP, every rank holds the whole model")
     if setup.quant == "int8":
         return ("--fsdp cannot shard an LLM.int8 base (Int8Params keep their scales outside "
                 "the tensor): DDP, every rank holds the whole model")

@@ -106,19 +106,30 @@ class Sizing:
         return self.gpu_bytes - self.margin_bytes
 
 
-def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = False) -> int:
+def auto_chunk_tokens(shape: ModelShape, setup: TrainSetup, *, monotone: bool = False,
+                      activation_budget: int | None = None) -> int:
     """Tokens per loss chunk, by the rule ``tightfit.loss`` uses for ``--loss-chunks auto``.
 
     ``monotone``: the rule's largest chunk (its 256 MiB cap), not evened out over the
     chunks, so that bytes never fall as the step grows (what the searches of
     :mod:`tightfit.planner.max_length` need); at long sequences the two differ by the evening.
+    ``activation_budget``: the step's activation room; a chunk whose working set passes its
+    share of it shrinks, as prepare's long-step plan shrinks it
+    (:func:`tightfit.checkpoint.long_step.choose_chunk`).
     """
-    from tightfit.loss.sizing import DEFAULT_MAX_CHUNK_BYTES
+    from tightfit.loss.sizing import BUDGET_SHARE, DEFAULT_MAX_CHUNK_BYTES, chunk_bytes_per_token
     from tightfit.loss.sizing import auto_chunk_tokens as _auto
 
     dtype = torch_dtype(setup.compute_dtype)
     budget = DEFAULT_MAX_CHUNK_BYTES if monotone else None
-    return _auto(shape.vocab, setup.seq_len, setup.batch_size, dtype, budget)
+    chunk = _auto(shape.vocab, setup.seq_len, setup.batch_size, dtype, budget)
+    if activation_budget is None:
+        return chunk
+    if monotone:  # the shrunk chunk's cap, not evened out: it does not fall as the step grows
+        per_token = chunk_bytes_per_token(shape.vocab, dtype)
+        return max(1, min(chunk, activation_budget // BUDGET_SHARE // per_token))
+    return _auto(shape.vocab, setup.seq_len, setup.batch_size, dtype,
+                 activation_budget=activation_budget)
 
 
 def planned_mlp_tile(shape: ModelShape, setup: TrainSetup) -> int:
@@ -232,6 +243,10 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
 
         setup = fit_resident_layers(setup, shape.layers, fits)
     fitted = _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
+    if rung.chunked and fitted.checkpoint == "budget" and fitted.checkpoint_budget:
+        # a small room shrinks the chunk, as prepare does; the budgets stay (they are room)
+        fitted = fitted.with_(loss_chunk_tokens=min(fitted.loss_chunk_tokens, auto_chunk_tokens(
+            shape, fitted, monotone=monotone, activation_budget=fitted.checkpoint_budget)))
     if rung.paged_weights and gpus > 1 and ddp_only(shape, setup) is None:
         # the base's rung on N GPUs: when the shards leave too little room, they wait on
         # the host (FSDP2's CPUOffloadPolicy, --fsdp-offload) instead of streaming layers

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tightfit.checkpoint.long_step import usable_room
+from tightfit.checkpoint.tiling import auto_tile_tokens
 from tightfit.loss import auto_chunk_tokens
 from tightfit.measure.dtypes import dtype_name
 from tightfit.planner.estimate import Estimate, Overhead, estimate
@@ -55,11 +56,18 @@ def planned_estimate(run: Run) -> tuple[Estimate | None, str]:
             quant="nf4" if info.options.quant is not None else "none",
             double_quant=info.options.double_quant, blocksize=info.options.blocksize,
             lora_r=lora.r, lora_target_modules=targets, lora_dropout=lora.dropout,
+            lora_dtype=lora.dtype, lora_compute=lora.compute,
             checkpoint=policy,
             checkpoint_budget=getattr(plan, "budget_bytes", None) if policy == "budget" else None,
             optimizer=cfg.optimizer.kind,
             optimizer_device_budget=_device_budget(run, cfg),
             loss_chunk_tokens=_chunk_tokens(info, shape.vocab, length, rows),
+            # the placements prepare installed: the planner prices each of them
+            offload=_offload(plan),
+            mlp_tile=_tile_tokens(info, shape.hidden, shape.intermediate, length * rows),
+            # a number once the preflight planned it; 'auto' unplanned keeps every layer
+            resident_layers=(info.options.resident_layers
+                             if isinstance(info.options.resident_layers, int) else "all"),
         )
         overhead = Overhead() if run.device.type == "cuda" else Overhead(0, 0.0)
         return estimate(shape, setup, overhead), ""
@@ -73,6 +81,23 @@ def _device_budget(run: Run, cfg: RunConfig) -> int | None:
     stats = getattr(run.optimizer, "memory_stats", None)
     budget = stats().get("device_budget") if callable(stats) else None
     return cfg.optimizer.device_budget if budget is None else int(budget)
+
+
+def _offload(plan: Any) -> str:
+    """The planner's name for what the plan offloads: the inputs of checkpointed segments,
+    stored segments' saved tensors too (``"all"``), or nothing."""
+    kinds = {s.kind for s in getattr(plan, "segments", ()) if s.offloads}
+    return "all" if "stored_offload" in kinds else "inputs" if kinds else "none"
+
+
+def _tile_tokens(info: PrepareInfo, hidden: int, intermediate: int, tokens: int) -> int | None:
+    """Tokens per MLP tile as the run tiled them (``None``: untiled)."""
+    tiling = info.tiling
+    if tiling is None or not tiling.layers:
+        return None
+    if tiling.tile_tokens == "auto":
+        return auto_tile_tokens(hidden, intermediate, tokens)
+    return int(tiling.tile_tokens)
 
 
 def _chunk_tokens(info: PrepareInfo, vocab: int, length: int, rows: int) -> int | None:

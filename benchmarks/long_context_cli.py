@@ -75,6 +75,8 @@ def capped(cmd: list[str], cap: int | None, a: argparse.Namespace, log: Path) ->
     from spike import cgroup_figures, child_cgroup, detect_cap
 
     cap_kind = detect_cap()
+    if cap is not None and not cap_kind.kind.startswith("cgroup"):
+        raise SystemExit(f"no memory cgroup to cap a run at {cap >> 20} MiB: {cap_kind.detail}")
     cg, preexec = child_cgroup(cap_kind, cap, "tightfit-lccli")
     sampler = Sampler(cg if cap_kind.kind == "cgroup-v1" else None, a.sample_s)
     t0 = time.perf_counter()

@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,9 @@ class Cap:
 
 
 def _try_mkdir_cgroup(base: Path, limit_file: str) -> bool:
-    probe = base / f"tightfit-probe-{os.getpid()}"
+    # unique per call: two threads of one benchmark probing at once must not share a folder
+    # (the second mkdir failed, and its child ran with no cap at all)
+    probe = base / f"tightfit-probe-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     try:
         probe.mkdir()
     except OSError:

@@ -180,8 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("tightfit %s: %s", args.command, str(exc) or "interrupted")
         return 128 + interrupt_signal(exc)  # 130 for Ctrl-C, 143 for SIGTERM
     except RuntimeError as exc:
-        from tightfit.train.step import StepOutOfMemory  # only once a run has failed
+        from tightfit.train.loop import RankStopped  # only once a run has failed
+        from tightfit.train.step import StepOutOfMemory
 
+        if isinstance(exc, RankStopped):  # the failed rank's own line says it all
+            logger.debug("tightfit %s: %s", args.command, exc)
+            return 1
         if not isinstance(exc, StepOutOfMemory):
             raise
         logger.error("tightfit %s: %s", args.command, exc)

@@ -39,6 +39,7 @@ def save(
     extra: dict[str, Any] | None = None,
     *,
     trainable_only: bool = False,
+    process_group: Any = None,
 ) -> None:
     """Write model (and optimizer) state with DCP; every rank must call it.
 
@@ -49,12 +50,15 @@ def save(
         extra: small picklable values to keep with it (step counter, data position …).
         trainable_only: keep only params that require grad (LoRA adapters, not the frozen
             4-bit base, which the run rebuilds from the base model).
+        process_group: the group of DCP's own collectives (default: the default group);
+            the state-dict helpers themselves communicate with no one.
     """
     dcp, sd = _dcp()
     state = _state(sd, model, optimizer, trainable_only)
     state[_EXTRA] = dict(extra or {})
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=os.fspath(state_dir), no_dist=not _dist_ready())
+        dcp.save(state, checkpoint_id=os.fspath(state_dir), no_dist=not _dist_ready(),
+                 process_group=process_group)
 
 
 def load(

@@ -80,9 +80,6 @@ def shard_model(
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
     if shard_frozen:
         # refuse before any layer changes: the 4-bit weights converted below are let through
         problem = unshardable(model, converting=True)
@@ -90,6 +87,19 @@ def shard_model(
             raise ValueError(problem)
         for _, layer in list(linear4bit_layers(model)):
             make_shardable(layer)
+    blocks = blocks if blocks is not None else find_blocks(model)
+    _fully_shard_units(model, blocks, device, reshard_after_forward=reshard_after_forward,
+                       shard_frozen=shard_frozen, offload=offload)  # fmt: skip
+    _prefetch_one_ahead(blocks)
+    return model
+
+
+def _fully_shard_units(model: nn.Module, blocks: list[nn.Module], device: torch.device, *,
+                       reshard_after_forward: bool, shard_frozen: bool, offload: bool) -> None:
+    """``fully_shard`` each block, the frozen untied embedding, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # pinned host shards (their copy to the device can overlap); the CPU has nothing to pin
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -97,7 +107,6 @@ def shard_model(
     def frozen(module: nn.Module) -> set[nn.Parameter] | None:
         return None if shard_frozen else {p for p in module.parameters() if not p.requires_grad}
 
-    blocks = blocks if blocks is not None else find_blocks(model)
     for block in blocks:
         has_frozen = any(not p.requires_grad for p in block.parameters())
         fully_shard(
@@ -112,8 +121,6 @@ def shard_model(
     # backward, which needs it at once; torchtitan does the same
     fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen(model),
                 offload_policy=policy)
-    _prefetch_one_ahead(blocks)
-    return model
 
 
 def shards_on_host(model: nn.Module) -> bool:

@@ -28,19 +28,13 @@ from typing import Any, Literal
 from tightfit.measure.dtypes import torch_dtype
 from tightfit.measure.sizes import format_bytes, parse_bytes
 from tightfit.paging.paging_options import DEFAULT_PAGE_BYTES
+from tightfit.planner import ranks
 from tightfit.planner.estimate import Overhead, estimate, untiled_mlp
 from tightfit.planner.host import PINNED_FRACTION, HostLimit, host_limit
 from tightfit.planner.max_length import MAX_BATCH, maximize_row
 from tightfit.planner.paged_weights import fit_resident_layers
 from tightfit.planner.presets import ModelShape, load_shape, model_folder
-from tightfit.planner.ranks import (
-    MAX_GPUS,
-    RankEstimate,
-    check_gpus,
-    ddp_only,
-    global_batch,
-    step_estimate,
-)
+from tightfit.planner.ranks import MAX_GPUS, RankEstimate, check_gpus, global_batch, step_estimate
 from tightfit.planner.speed import DEFAULT_GPU_TFLOPS, DEFAULT_LINK_GBPS, QUANT_SLOWDOWN, slowdown
 from tightfit.planner.table import Fewest, PlanReport, Row
 from tightfit.planner.train_args import train_args
@@ -223,8 +217,7 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
     budget, and the checkpoint / optimizer budgets of the room the device leaves. On
     ``sizing.gpus`` > 1, ``batch`` is one rank's rows, the host budget its share (the ranks
     of one machine pin from one RAM), and no layer's weights stream (the base is sharded;
-    ``--resident-layers`` is not applied under ``--fsdp``): the long-context rung keeps the
-    shards on the host instead (``--fsdp-offload``) when they leave too little room."""
+    ``--resident-layers`` is not applied under ``--fsdp``: ``--fsdp-offload`` instead)."""
     shape = sizing.shape
     gpus = sizing.gpus
     setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,
@@ -243,17 +236,10 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
 
         setup = fit_resident_layers(setup, shape.layers, fits)
     fitted = _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
-    if rung.chunked and fitted.checkpoint == "budget" and fitted.checkpoint_budget:
-        # a small room shrinks the chunk, as prepare does; the budgets stay (they are room)
-        fitted = fitted.with_(loss_chunk_tokens=min(fitted.loss_chunk_tokens, auto_chunk_tokens(
-            shape, fitted, monotone=monotone, activation_budget=fitted.checkpoint_budget)))
-    if rung.paged_weights and gpus > 1 and ddp_only(shape, setup) is None:
-        # the base's rung on N GPUs: when the shards leave too little room, they wait on
-        # the host (FSDP2's CPUOffloadPolicy, --fsdp-offload) instead of streaming layers
-        est = step_estimate(shape, fitted, sizing.overhead, gpus)
-        if est.total > sizing.usable_bytes:
-            fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), sizing.usable_bytes,
-                                  sizing.overhead, gpus)
+    if rung.paged_weights and ranks.needs_host_shards(shape, fitted, sizing.usable_bytes,
+                                                      sizing.overhead, gpus):  # fmt: skip
+        fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), sizing.usable_bytes,
+                              sizing.overhead, gpus)  # fmt: skip
     return fitted
 
 

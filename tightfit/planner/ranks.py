@@ -135,6 +135,16 @@ def ddp_only(shape: ModelShape, setup: TrainSetup) -> str | None:
     return None
 
 
+def needs_host_shards(shape: ModelShape, setup: TrainSetup, usable: int, overhead: Overhead,
+                      gpus: int) -> bool:
+    """Whether one rank of ``gpus`` needs its shards on the host (``setup.fsdp_offload``,
+    ``--fsdp-offload``) for ``setup`` to fit ``usable`` bytes: FSDP2 shards it, and the
+    shards on the device leave too little room."""
+    if gpus == 1 or ddp_only(shape, setup) is not None:
+        return False
+    return step_estimate(shape, setup, overhead, gpus).total > usable
+
+
 @dataclass(frozen=True)
 class RankEstimate(Estimate):
     """One rank's :class:`~tightfit.planner.estimate.Estimate` of a step on ``ranks`` GPUs.

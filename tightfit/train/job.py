@@ -14,6 +14,7 @@ trainer state (rank 0) and each rank's RNG state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from torch import nn
 from tightfit.distributed import dcp, launch
 from tightfit.distributed.parallelize import shard_model, shards_on_host
 from tightfit.distributed.sharded_load import load_sharded
-from tightfit.optim.dtensor import is_dtensor, local_numel
+from tightfit.distributed.stop import PeerStop
+from tightfit.optim.dtensor import is_dtensor, local_numel, local_tensor
 from tightfit.qlora.prepare_options import LoraOptions, PrepareOptions
 from tightfit.qlora.shardable import base_bytes
 from tightfit.train import resume
@@ -51,6 +53,9 @@ class TrainJob:
     offload: bool = False
     # the model FSDP2 sharded (set by wrap / load_sharded): the report's per-rank base bytes
     sharded: nn.Module | None = field(default=None, repr=False)
+    # under torchrun: how a rank that fails in its step stops the others and the last
+    # completed step is saved once (tightfit.distributed.stop)
+    stop: PeerStop | None = field(default=None, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -90,7 +95,8 @@ class TrainJob:
         _refuse_device_index(device)
         kind = "auto" if device is None else torch.device(device).type
         info = launch.init_from_env(device=kind)  # type: ignore[arg-type]
-        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward, offload and fsdp)
+        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward, offload and fsdp,
+                   stop=PeerStop())
 
     def model_device(self, requested: str | None) -> str | torch.device | None:
         """Where the model and optimizer go: this rank's device under torchrun (the one NCCL
@@ -193,12 +199,44 @@ class TrainJob:
         return {"world_size": self.info.world_size, "strategy": self.strategy,
                 "ranks": self.gather(mine)}  # fmt: skip
 
-    def barrier(self) -> None:
+    def barrier(self, group: Any = None) -> None:
         if self.distributed:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group)
+
+    # ------------------------------------------------------------------ a rank fails
+    def updating(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around a step's update: a save after another rank's failure waits for it."""
+        return self.stop.lock if self.stop is not None else contextlib.nullcontext()
+
+    def on_peer_failure(self, save: Callable[[Any], None]) -> None:
+        """What this rank runs when another rank failed in its step: ``save(group)``, the
+        collective save of the last completed step over the group the dead step does not
+        block (run by this rank's watcher thread, the update lock held)."""
+        if self.stop is not None:
+            group = self.stop.group
+            self.stop.on_stop(lambda _line: save(group))
+
+    def fail(self, line: str, save: Callable[[Any], None]) -> None:
+        """This rank failed in its step (``line`` says how): tell the others, then run the
+        same ``save(group)`` as they do, once, together."""
+        if self.stop is None:
+            return
+        self.stop.fail(line)
+        with self.stop.lock:
+            save(self.stop.group)
+
+    @property
+    def peer_failed(self) -> str | None:
+        """The failed rank's line once another rank failed and this one joined the save."""
+        if self.stop is None or self.stop.peer_line is None:
+            return None
+        self.stop.saved.wait(timeout=self.stop.save_timeout_s)
+        return self.stop.peer_line
 
     def close(self) -> None:
         if self.distributed:
+            if self.stop is not None:
+                self.stop.close()
             launch.close()
 
     def _comm_device(self) -> torch.device:
@@ -212,13 +250,21 @@ class TrainJob:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         history: list[dict[str, Any]],
+        *,
+        rng: dict[str, Any] | None = None,
+        group: Any = None,
     ) -> Path:
         """Write the resume state of ``step`` (every rank calls it); atomic like one process's.
+
+        ``rng``: the RNG states to keep (default: the current ones). ``group``: the process
+        group of the save's collectives (default: the training one; after a rank failed,
+        :attr:`tightfit.distributed.stop.PeerStop.group`, which the dead step does not block).
 
         Returns:
             The saved state's folder.
         """
 
+        rng = resume.rng_state() if rng is None else rng
         if not self.distributed:
             return resume.save_state(out, step, model, optimizer, history)
         name = resume.state_name(step)
@@ -228,20 +274,20 @@ class TrainJob:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        self.barrier()
-        dcp.save(tmp / DCP_DIR, model, optimizer, trainable_only=True)
-        adapter = _full_state(model)  # collective; rank 0 gets the tensors
-        torch.save(resume.rng_state(), tmp / f"rng-rank{self.info.rank}.pt")
+        self.barrier(group)
+        dcp.save(tmp / DCP_DIR, model, optimizer, trainable_only=True, process_group=group)
+        adapter = _full_state(model, group)  # collective; rank 0 gets the tensors
+        torch.save(rng, tmp / f"rng-rank{self.info.rank}.pt")
         if self.is_main:
             model.save_pretrained(tmp / "adapter", state_dict=adapter)
-            torch.save({"step": step, "rng": resume.rng_state(), "history": history,
+            torch.save({"step": step, "rng": rng, "history": history,
                         "world_size": self.info.world_size, "strategy": self.strategy},
                        tmp / "trainer_state.pt")  # fmt: skip
-        self.barrier()  # every rank's DCP shard and RNG file is written
+        self.barrier(group)  # every rank's DCP shard and RNG file is written
         if self.is_main:  # checksums of every file, then publish: rename, LATEST, drop older
             resume.write_checksums(tmp)
             resume.publish_state(out, tmp, final)
-        self.barrier()
+        self.barrier(group)
         return final
 
     def load_state(
@@ -277,14 +323,29 @@ class TrainJob:
         return resume.SavedState(int(state["step"]), list(state["history"]), folder)
 
 
-def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _full_state(model: nn.Module, group: Any = None) -> dict[str, torch.Tensor]:
     """Unsharded trainable params (peft's adapter keys) on rank 0; every rank must call it.
 
     Only what trains is gathered (one ``full_tensor()`` per sharded param, the same order on
-    every rank): a full state dict would also copy the frozen 4-bit base to host RAM.
+    every rank): a full state dict would also copy the frozen 4-bit base to host RAM. With
+    ``group`` (a save after a rank failed: the training group is blocked) each rank's dim-0
+    shards go to rank 0 over it as objects and are joined there (FSDP2 cuts dim 0 in rank
+    order).
     """
     out = {}
     main = torch.distributed.get_rank() == 0
+    if group is not None:
+        mine = {name: local_tensor(p).detach().to("cpu", copy=True)
+                for name, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+        every: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.gather_object(mine, every if main else None, dst=0, group=group)
+        if not main:
+            return {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                parts = [part[name] for part in every]
+                out[name] = torch.cat(parts) if is_dtensor(p) else parts[0]
+        return out
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -111,6 +111,9 @@ def run_steps(run: Run) -> None:
     bar = _progress(run.start, t.steps, run.progress)
     run.prev_stats = optimizer_stats(run.optimizer)
     run.model.train()
+    # under torchrun: another rank's failure reaches this one's watcher thread, which joins
+    # the one collective save of the last completed step
+    run.job.on_peer_failure(lambda group: _save_after_stop(run, group))
     try:
         for step in range(run.start, t.steps):
             rec = run_step(run, step)
@@ -128,18 +131,49 @@ def run_steps(run: Run) -> None:
                                                     run.history)
                 run.saving = False
     except KeyboardInterrupt as exc:
+        _raise_if_peer_failed(run)
         signum = interrupt_signal(exc)
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
         raise TrainInterrupted(f"{what}; {_save_after_stop(run)}", signum) from None
     except StepOutOfMemory as exc:
-        raise StepOutOfMemory(f"{exc} {_save_after_stop(run)}") from None
+        if not run.job.distributed:
+            raise StepOutOfMemory(f"{exc} {_save_after_stop(run)}") from None
+        said: list[str] = []
+        # the other ranks wait in a collective this rank will not join: they learn of it
+        # through torchrun's store, and all save the last completed step once, together
+        try:
+            run.job.fail(str(exc), lambda group: said.append(_save_after_stop(run, group)))
+        except Exception as err:  # noqa: BLE001 (the out-of-memory line must still be said)
+            said.append(f"the last completed step could not be saved ({type(err).__name__}: "
+                        f"{err}); the newest saved state in {run.out} is the one to resume.")
+        raise StepOutOfMemory(f"{exc} {said[0] if said else _save_after_stop(run)}") from None
+    except Exception:
+        _raise_if_peer_failed(run)  # the dead collective's error once the failed rank left
+        raise
     finally:
         if bar is not None:
             bar.close()
 
 
-def _save_after_stop(run: Run) -> str:
-    """Save the last completed step unless the newest saved state holds it; say where it is."""
+class RankStopped(RuntimeError):
+    """Another rank failed in its step under torchrun; this rank joined the save of the last
+    completed step and stops without a line of its own (the failed rank's names it)."""
+
+
+def _raise_if_peer_failed(run: Run) -> None:
+    line = run.job.peer_failed
+    if line is not None:
+        raise RankStopped(f"stopped: another rank failed ({line.split(':')[0]})") from None
+
+
+def _save_after_stop(run: Run, group: Any = None) -> str:
+    """Save the last completed step unless the newest saved state holds it; say where it is.
+
+    Under torchrun only after a rank failed in its step, with ``group`` (the save group of
+    :mod:`tightfit.distributed.stop`): every rank runs it at once, deciding alike (the same
+    history, the same last save), so the state is written once. An interrupt there saves
+    nothing (the ranks may be anywhere in the step).
+    """
     done = int(run.history[-1]["step"]) if run.history else run.start
     # a state this process saved: its step is in its name (no need to hash its files again)
     saved = resume.state_step(run.last_saved) if run.last_saved is not None else 0
@@ -147,6 +181,10 @@ def _save_after_stop(run: Run) -> str:
         # the RNG as that step left it (a half-done step after it may have drawn from it)
         resume.set_rng_state(run.rng_done)
         run.last_saved = resume.save_state(run.out, done, run.model, run.optimizer, run.history)
+        saved = done
+    elif done > saved and not run.saving and group is not None:
+        run.last_saved = run.job.save_state(run.out, done, run.model, run.optimizer,
+                                            run.history, rng=run.rng_done, group=group)
         saved = done
     if run.last_saved is None:
         return f"no step was completed, nothing saved in {run.out}."

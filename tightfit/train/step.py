@@ -61,7 +61,9 @@ def run_step(run: Run, step: int) -> dict[str, Any]:
     tic = time.perf_counter()
     tracked = t.track_every > 0 and step % t.track_every == 0
     loss, tracker, retried = _forward_backward_retried(run, step, micros, tracked)
-    with hold_interrupts():  # the update and its record: both or neither
+    # the update and its record: both or neither; under torchrun a save after another
+    # rank's failure waits for them (run.job.updating)
+    with hold_interrupts(), run.job.updating():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - tic

@@ -105,6 +105,55 @@ def load(
     return extra
 
 
+def load_full(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    optim_state: dict[str, Any],
+) -> None:
+    """Load unsharded trainable state (one process's) into a sharded ``model`` and its
+    ``optimizer``: every rank passes the whole of it, and keeps its shards (torch's
+    state-dict helpers with ``full_state_dict=True``).
+
+    Args:
+        model: The model as trained (FSDP2-sharded, DDP-wrapped or plain).
+        optimizer: Its optimizer, built on the model's (sharded) params, not stepped.
+        params: Full tensors of the trainable params by name (:func:`trainable_fqns`).
+        optim_state: A torch-format optimizer state dict (``state`` keyed by the position of
+            the param in ``optimizer.param_groups``, as ``Optimizer.state_dict()`` gives).
+
+    Raises:
+        ValueError: the names or the number of params do not match the optimizer's.
+    """
+    _, sd = _dcp()
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [trainable_fqn(names[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+    if set(order) != set(params) or len(order) != sum(len(g["params"]) for g in
+                                                      optim_state["param_groups"]):  # fmt: skip
+        raise ValueError(
+            f"the saved state holds {len(params)} trainable params and this optimizer "
+            f"{len(order)} (e.g. {sorted(set(order) ^ set(params))[:3]}); resume with the "
+            "configuration that wrote it")
+    groups, i = [], 0
+    for group in optim_state["param_groups"]:
+        n = len(group["params"])
+        groups.append({**group, "params": order[i : i + n]})
+        i += n
+    index = [p for g in optim_state["param_groups"] for p in g["params"]]
+    state = {order[k]: optim_state["state"][pid] for k, pid in enumerate(index)
+             if pid in optim_state["state"]}  # fmt: skip
+    options = sd.StateDictOptions(full_state_dict=True, strict=False)
+    sd.set_state_dict(model, optimizer, model_state_dict=params,
+                      optim_state_dict={"state": state, "param_groups": groups},
+                      options=options)  # fmt: skip
+
+
+def trainable_fqn(name: str) -> str:
+    """A parameter's name as DCP's state dicts have it (no DDP or torch.compile prefixes)."""
+    name = name.removeprefix("module.").removeprefix("_orig_mod.")  # DDP, torch.compile
+    return name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
+
+
 def _state(
     sd: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
 ) -> dict[str, Any]:
@@ -123,10 +172,8 @@ def trainable_fqns(model: nn.Module) -> set[str]:
     """Names (as in DCP's state dicts: no DDP/compile wrapper prefixes) of trainable params."""
     names = set()
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        name = name.removeprefix("module.").removeprefix("_orig_mod.")  # DDP, torch.compile
-        names.add(name.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", "."))
+        if p.requires_grad:
+            names.add(trainable_fqn(name))
     return names
 
 

@@ -299,16 +299,12 @@ class TrainJob:
             The step, the history and the folder read back.
 
         Raises:
-            ValueError: a single process's saved state under FSDP2 (its optimizer file holds
-                unsharded pages; resume it with DDP or in one process).
+            ValueError: a damaged saved state, or one of another configuration.
         """
 
         if not (folder / DCP_DIR).is_dir():
-            if self.strategy == "fsdp":
-                raise ValueError(
-                    f"{str(folder)!r} was written by a single process; its optimizer pages are "
-                    "not sharded. Resume it without --fsdp (DDP or one process)."
-                )
+            if self.strategy == "fsdp":  # one process's state: each rank keeps its shards
+                return _load_unsharded(folder, model, optimizer)
             return resume.load_state(folder, model, optimizer)  # DDP: every replica loads it
         # every file verified (checksums.json) and the trainer state read before DCP changes
         # anything: a damaged saved state is refused whole, as one process's is
@@ -321,6 +317,50 @@ class TrainJob:
         if rank_rng is not None:
             resume.set_rng_state(rank_rng)
         return resume.SavedState(int(state["step"]), list(state["history"]), folder)
+
+
+def _load_unsharded(folder: Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> resume.SavedState:
+    """One process's saved state (peft adapter + page file) into the FSDP2-sharded ``model``.
+
+    Every rank reads the whole trainable state (the adapter and its optimizer state: LoRA's
+    size, not the model's): the page file is read into a twin of ``optimizer`` (its class
+    and paging) over full-size host copies of the params, as one process laid it out, and
+    each rank keeps its shards of both (:func:`tightfit.distributed.dcp.load_full`). The
+    RNG streams are not continued (another layout draws other streams), as for DCP's
+    N -> M.
+    """
+    from peft.utils import load_peft_weights
+
+    state = resume.read_trainer_state(folder)  # every file verified before anything changes
+    weights = load_peft_weights(str(folder / "adapter"), device="cpu")
+    adapter = getattr(model, "active_adapter", "default")
+    full = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = name.replace(f".{adapter}.", ".")
+            if key not in weights:
+                raise ValueError(f"saved state {str(folder)!r} has no adapter weight {key!r}; "
+                                 "resume with the configuration that wrote it.")
+            full[dcp.trainable_fqn(name)] = weights[key].to(p.dtype)
+    twin_groups, by_id = [], {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        copies = [full[dcp.trainable_fqn(by_id[id(p)])].clone().requires_grad_(True)
+                  for p in group["params"]]  # fmt: skip
+        twin_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                            "params": copies})  # fmt: skip
+    kwargs = getattr(optimizer, "_init_kwargs", dict)()
+    twin = type(optimizer)(twin_groups, **kwargs)
+    try:
+        resume.load_optimizer(twin, folder / resume.OPTIMIZER)
+        as_torch = getattr(twin, "torch_state_dict", None)  # 8-bit: its fp32 form
+        optim_state = as_torch() if callable(as_torch) else twin.state_dict()
+    finally:
+        close = getattr(twin, "close", None)
+        if callable(close):
+            close()
+    dcp.load_full(model, optimizer, full, optim_state)
+    return resume.SavedState(int(state["step"]), list(state["history"]), folder)
 
 
 def _full_state(model: nn.Module, group: Any = None) -> dict[str, torch.Tensor]:

@@ -205,12 +205,15 @@ def plot_ranks(history: Sequence[dict[str, Any]], path: str | os.PathLike[str]) 
     Args:
         history: step records with ``step``, ``device_budget`` and ``ranks`` (one dict per
             rank with ``device_bytes``, ``paged_in``, ``paged_out``), as the loop writes them
-            under torchrun.
+            under torchrun; records of another rank count (a resumed run) are left out.
         path: where to write the PNG.
     """
     plt = _plt()
+    # a run resumed from another layout (one process, other ranks) has steps without ranks,
+    # or other counts: the steps of this launch's layout, the newest
+    world = len(history[-1].get("ranks") or []) if history else 0
+    history = [h for h in history if len(h.get("ranks") or []) == world]
     steps = [h["step"] for h in history]
-    world = len(history[0]["ranks"]) if history else 0
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for r in range(world):
         ax.plot(steps, [(h["ranks"][r]["device_bytes"] or 0) / MiB for h in history],

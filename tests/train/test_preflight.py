@@ -132,3 +132,25 @@ def test_setup_refuses_before_reading_the_data(long_dir: Path, tmp_path: Path,
     with pytest.raises(ValueError, match="does not fit"):
         run_setup.setup(cfg, progress=False, log=lambda _m: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_small_room_shrinks_the_planned_loss_chunk_as_prepare_does(tmp_path: Path) -> None:
+    """The planner's chunk follows prepare's rule (a working set of at most 1/8 of the
+    activation room): under a 725 MiB cgroup a 2,000-token chunk of a 32k vocabulary took 248
+    MiB of a 290 MiB room, and the preflight's longest was 1,963 tokens instead of 33,098
+    (benchmarks/results/long_context_cgroup.md's model, held 435 MiB)."""
+    from tightfit.loss.sizing import BUDGET_SHARE, chunk_bytes_per_token
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
+              "intermediate_size": 448, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 32000, "max_position_embeddings": 131072,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    setup, sized = preflight.planned_setup(_cfg(tmp_path, 32768), CPU)
+    fit = run_fit(tmp_path, setup, limit_bytes=725 << 20, limit_source="x",
+                  overhead_bytes=435 << 20, host=HostLimit(1 << 40, 1.0), **sized)
+    row = fit.row.setup
+    assert row.checkpoint == "budget" and row.loss_chunk_tokens is not None
+    per_token = chunk_bytes_per_token(32000, torch.float32)
+    assert row.loss_chunk_tokens * per_token <= row.checkpoint_budget // BUDGET_SHARE
+    assert fit.fits and fit.longest.maximum > 30_000

@@ -240,6 +240,10 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
                                                       sizing.overhead, gpus):  # fmt: skip
         fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), sizing.usable_bytes,
                               sizing.overhead, gpus)  # fmt: skip
+    if rung.chunked and fitted.checkpoint == "budget" and fitted.checkpoint_budget:
+        # a small room shrinks the chunk, as prepare does; the budgets stay (they are room)
+        fitted = fitted.with_(loss_chunk_tokens=min(fitted.loss_chunk_tokens, auto_chunk_tokens(
+            shape, fitted, monotone=monotone, activation_budget=fitted.checkpoint_budget)))
     return fitted
 
 

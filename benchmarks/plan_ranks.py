@@ -79,8 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(HERE / "results" / "plan_ranks.md"))
     args = parser.parse_args()
-    big = {n: plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=n) for n in (1, 2, 3)}
-    two32 = plan("llama-3.3-70b", "32GiB", seq_len=2048, gpus=2).recommended
+    big = {n: plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=n, host_ram="128GiB")
+           for n in (1, 2, 3)}  # fmt: skip
+    small_host = plan("llama-3.3-70b", "24GiB", seq_len=2048, gpus=2, host_ram="16GiB")
+    two32 = plan("llama-3.3-70b", "32GiB", seq_len=2048, gpus=2, host_ram="16GiB").recommended
     long = {n: plan("llama-3.1-8b", "24GiB", lora_r=32, maximize="seq", host_ram="128GiB",
                     gpus=n) for n in (1, 2)}
     lines70 = []
@@ -89,8 +91,10 @@ def main() -> None:
         smallest = min((r for r in rep.rows if r.estimate), key=lambda r: r.estimate.total)
         row = best or smallest
         lines70.append(_row_line(rep, row, ("recommended" if best else "smallest row")
-                                 + ": " + _pieces(row.estimate)))
-    fewest = big[1].fewest
+                                 + ": " + _pieces(row.estimate)
+                                 + ("; `--fsdp-offload`" if row.setup.fsdp_offload else "")))
+    two = big[2].recommended
+    fewest = small_host.fewest
     text = f"""# tightfit plan --gpus N: per-rank predictions
 
 `python benchmarks/plan_ranks.py` (the memory model only: no step runs; the machine's load does
@@ -109,14 +113,27 @@ in flight, the measured *gathered peak* counts the one at the hooks).
 
 ## Llama-3.3-70B, QLoRA r=16, 2,048 tokens, 24 GiB GPUs (one sequence per GPU)
 
-`tightfit plan --model llama-3.3-70b --gpu 24GiB --gpus N --seq-len 2048` (N = 1: no --gpus):
+`tightfit plan --model llama-3.3-70b --gpu 24GiB --gpus N --seq-len 2048 --host-ram 128GiB`
+(N = 1: no --gpus; 1 GPU streams the base's layers from the host, `--resident-layers`):
 
 | GPUs | row | total per rank | fits | pieces (per rank) |
 |---|---|---|---|---|
 {chr(10).join(lines70)}
 
-Fewest GPUs (the plan without `--gpus` says it): **{fewest.gpus} x 24 GiB**
-({fewest.row.name if fewest.row else '-'}). On 2 x 32 GiB:
+On **2 x 24 GiB** the shards on the GPU leave no room (every row without `--fsdp-offload`
+needs more than the 22.6 GiB usable), so the long-context row keeps each rank's shards (the
+4-bit base, constants, LoRA, grads: {format_bytes(two.estimate.host_weights) if two else '-'}) and
+the optimizer step on the host with FSDP2's `CPUOffloadPolicy` (`tightfit train --fsdp
+--fsdp-offload`): {format_bytes(two.estimate.total) if two else 'nothing fits'} a rank on the
+GPU (most of it activations: the room the shards left buys a `budget` plan that stores
+layers instead of recomputing every one), {format_bytes(two.estimate.host) if two else '-'} a rank of pinned host memory (its
+2 ranks need {format_bytes(2 * two.estimate.host) if two else '-'} of the 64 GiB pinned of 128 GiB).
+The per-rank host bytes are the *held* bytes measured above plus LoRA and grads: the same
+shards, on the host (`results/fsdp_qlora.md`'s *shards on host* rows).
+
+With a 16 GiB host (8 GiB pinned, too little for the shards), the fewest GPUs (the plan
+without `--gpus` says it): **{fewest.gpus} x 24 GiB**
+({fewest.row.name if fewest.row else '-'}). On 2 x 32 GiB with that host:
 {'nothing fits' if two32 is None else f"#{big[2].rows.index(next(r for r in big[2].rows if r.name == two32.name)) + 1} {two32.name}, {format_bytes(two32.estimate.total)} per rank"}.
 
 ## Llama-3.1-8B, r=32, the longest sequence on 24 GiB, 128 GiB host RAM

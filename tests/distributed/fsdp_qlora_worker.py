@@ -1,4 +1,4 @@
-"""Worker for ``test_fsdp_qlora.py``: two scenarios of the QLoRA check in one 2-rank launch.
+"""Worker for ``test_fsdp_qlora.py``: three scenarios of the QLoRA check in one 2-rank launch.
 
     torchrun --nproc_per_node 2 tests/distributed/fsdp_qlora_worker.py ONE TWO RESUMED OFFLOADED
 

@@ -2,7 +2,7 @@
 # FSDP2 with the 4-bit base sharded, on 2 GPUs (NCCL, one GPU a rank): the checks that need
 # 2+ CUDA devices. Standalone (`bash benchmarks/gpu_check_fsdp.sh`), or called as one section
 # of benchmarks/gpu_check.sh by its owner. Without 2 GPUs it says so and exits 0; otherwise it
-# exits 1 when any check failed. The boxes add up to 420 s (estimates: nothing here was run
+# exits 1 when any check failed. The boxes add up to 750 s (estimates: nothing here was run
 # on a GPU yet). Output is appended to benchmarks/results/gpu_check_fsdp.log; the benchmark
 # writes benchmarks/results/fsdp_qlora_cuda.md.
 set -u -o pipefail
@@ -79,5 +79,39 @@ timeout 60 torchrun2 -m tightfit.cli train --fsdp $T --steps 4 --out "$OUT/train
   | tee -a "$LOG" | only -i "error\|wrote\|loss .* over" || status=1
 timeout 60 "$PY" -m tightfit.cli train $T --steps 6 --resume "$OUT/train" 2>&1 \
   | tee -a "$LOG" | only -i "error\|resumed\|loss .* over" || status=1
+
+# 4. --fsdp-offload: the shards on the host (CPUOffloadPolicy); the same steps as check 1's
+#    one process, and each rank's CUDA peak below the run that keeps them on the GPU
+section "QLoRA check with the shards on the host (--fsdp-offload) on 2 GPUs"
+timeout 90 torchrun2 -m tightfit.distributed.qlora_check --out "$OUT/off" --model "$OUT/one/model" \
+  $Q --fsdp-offload 2>&1 | tee -a "$LOG" | only '"losses"' || status=1
+timeout 30 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG" || status=1
+import json, sys, torch
+out = sys.argv[1]
+one, two, off = (json.load(open(f"{out}/{n}/result.json")) for n in ("one", "two", "off"))
+ada = {n: torch.load(f"{out}/{n}/adapter.pt") for n in ("one", "off")}
+dl = max(abs(a - b) for a, b in zip(one["losses"], off["losses"]))
+da = max((ada["off"][k] - ada["one"][k]).abs().max().item() for k in ada["one"])
+peaks = [(a.get("cuda_peak"), b.get("cuda_peak")) for a, b in zip(two["ranks"], off["ranks"])]
+print(f"offload: loss diff {dl:.2e}, adapter diff {da:.2e}, CUDA peak per rank "
+      f"(on GPU, on host) MiB {[(a / 2**20, b / 2**20) for a, b in peaks]}")
+bad = dl > 1e-4 or da > 1e-4 or not all(r["shards_on_host"] for r in off["ranks"])
+bad = bad or not all(b < a for a, b in peaks)
+print("PASS" if not bad else "FAIL")
+sys.exit(1 if bad else 0)
+PYEOF
+
+# 5. a rank out of memory under NCCL: one line naming it, step 2 saved once (the peer waits
+#    in a device sync, not in torch.distributed: the watcher's 5 s rule; up to the process
+#    group's 120 s timeout before torchrun ends it)
+section "rank 1 out of memory in step 3 on 2 GPUs: one line, one save"
+timeout 240 torchrun2 tests/distributed/oom_worker.py train $T --fsdp --steps 4 --save-every 100 \
+  --out "$OUT/oom" > "$OUT/oom.log" 2>&1
+grep "tightfit train:" "$OUT/oom.log" | tee -a "$LOG"
+lines=$(grep -c "tightfit train:" "$OUT/oom.log")
+states=$(ls "$OUT/oom/checkpoints" 2>/dev/null | tr '\n' ' ')
+echo "oom: $lines tightfit line(s), saved states: $states" | tee -a "$LOG"
+{ [ "$lines" -eq 1 ] && [ "$states" = "step-00000002 " ]; } || { echo FAIL | tee -a "$LOG"; status=1; }
+
 echo "gpu_check_fsdp: $([ $status -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$LOG"
 exit $status

@@ -65,7 +65,8 @@ def _row_line(report, r, what: str = "") -> str:  # noqa: ANN001
     fits = "yes" if r.fits else "tight" if r.tight else "NO" if not r.fits_device else "HOST"
     size = "" if r.maximum is None else f"{r.maximum:,} | "
     what = f" | {what}" if what else ""
-    return (f"| {report.gpus} | #{report.rows.index(r) + 1} {r.name} | {size}"
+    name = r.name + (" (`--fsdp-offload`)" if r.setup.fsdp_offload and not what else "")
+    return (f"| {report.gpus} | #{report.rows.index(r) + 1} {name} | {size}"
             f"{format_bytes(e.total)} | {fits}{what} |")
 
 

@@ -16,10 +16,14 @@
    shared machine). Here the spill files stay in the page cache, so a "disk" copy runs at RAM
    speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed at
    XXH3's in-cache speed on this machine, as a share of the "off" step's CPU time — what
-   hashing costs even with no extra pass over RAM and perfect overlap.
+   hashing costs even with no extra pass over RAM and perfect overlap; and the same at XXH3's
+   own in-cache speed (without ``checksum()``'s per-call overhead), beside the copy worker's
+   and hash pool's own CPU time on minus off (Linux): whether the hash itself or the way its
+   time lands on the update's threads makes up the ratio.
 3. The same steps in a child process under a memory cgroup that leaves no room to keep the
    spill files in the page cache, so pages really come from and go to the disk (what the tier
-   is for: state that does not fit in RAM). Skipped where no cgroup can be made.
+   is for: state that does not fit in RAM). Skipped where no cgroup can be made, or with
+   ``--disk-rounds 0``.
 
 Writes ``benchmarks/results/checksums.md``. Run: ``.venv/bin/python benchmarks/checksums.py``.
 """
@@ -34,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -66,6 +71,36 @@ def in_cache_speed(rounds: int = 200) -> float:
         checksum(buf)
         best = min(best, time.perf_counter() - t0)
     return buf.numel() / best
+
+
+def raw_in_cache_speed(rounds: int = 2000) -> float:
+    """Bytes per second of XXH3-64 itself on a 256 KiB buffer in cache (median of ``rounds``
+    calls on a ``memoryview``): what :func:`in_cache_speed` measures without ``checksum()``'s
+    checks and tensor-to-numpy conversion, which cost about as much as the hash at this size.
+    A chunk's streaming ``update`` in the copy pass pays neither."""
+    view = memoryview(torch.randn(64 << 10).view(torch.uint8).numpy())
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(view)
+        times.append(time.perf_counter() - t0)
+    return view.nbytes / statistics.median(times)
+
+
+def _copy_thread_cpu() -> float | None:
+    """CPU seconds so far of this process's copy worker and hash pool (the threads named
+    ``tightfit-*``), from ``/proc/self/task/*/schedstat``; ``None`` where there is none."""
+    total, found = 0.0, False
+    for t in threading.enumerate():
+        if not t.name.startswith("tightfit-") or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if found else None
 
 
 def candidates(pages: int, rounds: int) -> list[str]:
@@ -183,14 +218,18 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
                 spill_dir=root)  # fmt: skip
     wall: dict = {k: [] for k in configs}
     cpu: dict = {k: [] for k in configs}
+    copy_cpu: dict = {k: [] for k in configs}
     for r in range(rounds + 1):  # round 0: placement and first touch
         for key, opt in configs.items():
             disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = MODES[key[1]]
-            c0, t0 = _cpu(), time.perf_counter()
+            k0, c0, t0 = _copy_thread_cpu(), _cpu(), time.perf_counter()
             opt.step()
             if r:
                 wall[key].append(time.perf_counter() - t0)
                 cpu[key].append(_cpu() - c0)
+                k1 = _copy_thread_cpu()
+                # a thread started during this step (the first) counts from 0
+                copy_cpu[key].append(None if k1 is None else k1 - (k0 or 0.0))
     disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = real
     out = {}
     for label in labels:
@@ -201,6 +240,12 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
         for name, (a, b) in PAIRS.items():
             pairs = [x / y for x, y in zip(wall[(label, a)], wall[(label, b)], strict=True)]
             out[label][name] = statistics.median(pairs) - 1
+        # the copy threads' extra CPU time with the hash, paired the same way: what hashing
+        # costs where it runs, apart from how that time lands on the update's threads
+        on, off = copy_cpu[(label, "on")], copy_cpu[(label, "off")]
+        if None not in on + off:
+            out[label]["copy cpu on - off"] = statistics.median(
+                [x - y for x, y in zip(on, off, strict=True)])
         for m in MODES:
             out[label][f"wall {m}"] = statistics.median(wall[(label, m)])
             out[label][f"cpu {m}"] = statistics.median(cpu[(label, m)])
@@ -210,9 +255,12 @@ def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[s
     return out
 
 
-def table(res: dict[str, dict[str, float]], speed: float | None) -> list[str]:
+def table(
+    res: dict[str, dict[str, float]], speed: float | None, raw: float | None = None
+) -> list[str]:
     """The tables of :func:`paged`'s figures: each mode's medians, then the paired ratios
-    (with the floor, and each ratio over it, when ``speed``)."""
+    (with the floor, and each ratio over it, when ``speed``), then (when ``raw``, XXH3's own
+    in-cache speed) the copy threads' paired extra CPU time against both floors."""
     head = "| residency | MiB hashed / step |" + "".join(
         f" wall {m} ms | CPU {m} ms |" for m in MODES)
     rows = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -229,12 +277,22 @@ def table(res: dict[str, dict[str, float]], speed: float | None) -> list[str]:
             floor = f["hashed"] / speed / f["cpu off"]
             row += f" +{floor * 100:.1f}% |" + "".join(f" {f[p] / floor:.2f} x |" for p in over)
         rows.append(row)
+    if speed and raw and all("copy cpu on - off" in f for f in res.values()):
+        rows += ["", "| residency | floor ms (in-cache speed above) | floor ms (XXH3's own speed) "
+                 "| copy threads' CPU, on - off, ms | over the floor | over XXH3's own floor |",
+                 "|---|---|---|---|---|---|"]
+        for label, f in res.items():
+            extra, slow, fast = f["copy cpu on - off"], f["hashed"] / speed, f["hashed"] / raw
+            rows.append(f"| {label} | {slow * 1e3:.1f} | {fast * 1e3:.1f} | {extra * 1e3:+.1f} | "
+                        f"{extra / slow:.2f} x | {extra / fast:.2f} x |")
     return rows
 
 
 def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
     """Each residency in a child under a memory cgroup too small to cache the spill files:
     the table lines and a line saying how the cap was set (or why there was none)."""
+    if rounds <= 0:
+        return [], "skipped (--disk-rounds 0)"
     cap = detect_cap()
     if not cap.kind.startswith("cgroup"):
         return [], f"skipped: {cap.detail}"
@@ -263,7 +321,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000)
     parser.add_argument("--rounds", type=int, default=20, help="timed steps per optimizer")
-    parser.add_argument("--disk-rounds", type=int, default=10, help="the same under the cap")
+    parser.add_argument("--disk-rounds", type=int, default=10,
+                        help="the same under the cap (0: skip that section)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checksums.md"))
     parser.add_argument("--child", choices=list(FRACTIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -275,8 +334,9 @@ def main() -> int:
     torch.set_num_threads(1)  # one core each, as the copy worker hashes (xxhash is 1 thread)
     first = candidates(pages=40, rounds=3)
     speed = in_cache_speed()
+    raw = raw_in_cache_speed()
     torch.set_num_threads(threads)
-    second = table(paged(args.params, args.rounds, 8 * MIB, list(FRACTIONS)), speed)
+    second = table(paged(args.params, args.rounds, 8 * MIB, list(FRACTIONS)), speed, raw)
     load_mid = os.getloadavg()
     third, how = disk_bound(args.params, args.disk_rounds, 8 * MIB)
     load_end = os.getloadavg()
@@ -297,7 +357,9 @@ def main() -> int:
         "",
         *first,
         "",
-        f"XXH3-64 of a 256 KiB buffer in cache: {speed / 2**30:.1f} GiB/s on one core.",
+        f"XXH3-64 of a 256 KiB buffer in cache: {speed / 2**30:.1f} GiB/s on one core through "
+        f"`checksum()` (best of 200; the floor below), {raw / 2**30:.1f} GiB/s for XXH3 itself "
+        "on a memoryview (median of 2000; \"XXH3's own floor\").",
         "",
         f"## PagedAdamW steps, checksums on vs off, spill files in the page cache "
         f"({args.params:,} fp32 params, 8 MiB pages, {args.rounds} rounds, medians)",
@@ -313,7 +375,9 @@ def main() -> int:
         "*floor*: the MiB hashed at the in-cache speed above, as a share of the off step's CPU",
         "time — the least any hash of every byte costs here. Ratios: the median over rounds of",
         "(one mode's step / the other's step of the same round) - 1; the target is on / off at",
-        "most 1.5 x the floor.",
+        "most 1.5 x the floor. The last table: the copy worker's and hash pool's own CPU",
+        "time (`/proc/self/task/*/schedstat`), on minus off paired by round: what the hash costs",
+        "on the threads that run it, apart from how that time lands on the update's threads.",
         "",
         *second,
         "",

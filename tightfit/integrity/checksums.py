@@ -2,9 +2,10 @@
 
 Every page written to the disk tier gets a checksum, verified when it is read back; saved files
 carry a checksum per page too. The checksum is 64-bit XXH3 (the ``xxhash`` package), chosen by
-measured speed (``benchmarks/results/checksums.md``): ~10 GiB/s per core on pages read from RAM
-and ~27-45 GiB/s in cache on the 2-core build machine, 3-4 x zlib's CRC-32; a torch ``int64`` sum
-is a little faster but order-blind (two opposite bit flips cancel). A disk page's checksum is
+measured speed (``benchmarks/results/checksums*.md``): ~10-18 GiB/s per core on pages read from
+RAM and 100-120 GiB/s on 256 KiB in cache (27-74 GiB/s through :func:`checksum`, whose checks
+and conversion cost about as much as the hash at that size) on the 2-core build machine, 4-6 x
+zlib's CRC-32; a torch ``int64`` sum is as fast but order-blind (two opposite bit flips cancel). A disk page's checksum is
 that of its :data:`STRIPE` stripes' digests (:func:`page_checksum`, stripes hashed on several
 threads when the page is only read). The sweep's copies (:func:`copy_and_checksum`, its stripes
 on the copy worker and the hash pool) hash in the copy pass itself: each :data:`CHUNK` is

@@ -218,8 +218,7 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
     ``sizing.gpus`` > 1, ``batch`` is one rank's rows, the host budget its share (the ranks
     of one machine pin from one RAM), and no layer's weights stream (the base is sharded;
     ``--resident-layers`` is not applied under ``--fsdp``: ``--fsdp-offload`` instead)."""
-    shape = sizing.shape
-    gpus = sizing.gpus
+    shape, gpus, room, over = sizing.shape, sizing.gpus, sizing.usable_bytes, sizing.overhead
     setup = rung.setup.with_(seq_len=seq_len, batch_size=batch,
                              host_budget=sizing.host.budget // gpus)
     if rung.chunked:
@@ -228,18 +227,14 @@ def sized(rung: Rung, sizing: Sizing, seq_len: int, batch: int, *,
         setup = setup.with_(mlp_tile=planned_mlp_tile(shape, setup))
     if rung.paged_weights and gpus == 1:
         def fits(s: TrainSetup) -> bool:
-            est = estimate(shape, _fit_budgets(shape, s, sizing.usable_bytes, sizing.overhead),
-                           sizing.overhead)
             # the device only: more resident layers leave less on the host, so the most
             # that fit the device is also the placement the host can best hold
-            return est.total <= sizing.usable_bytes
+            return estimate(shape, _fit_budgets(shape, s, room, over), over).total <= room
 
         setup = fit_resident_layers(setup, shape.layers, fits)
-    fitted = _fit_budgets(shape, setup, sizing.usable_bytes, sizing.overhead, gpus)
-    if rung.paged_weights and ranks.needs_host_shards(shape, fitted, sizing.usable_bytes,
-                                                      sizing.overhead, gpus):  # fmt: skip
-        fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), sizing.usable_bytes,
-                              sizing.overhead, gpus)  # fmt: skip
+    fitted = _fit_budgets(shape, setup, room, over, gpus)
+    if rung.paged_weights and ranks.needs_host_shards(shape, fitted, room, over, gpus):
+        fitted = _fit_budgets(shape, setup.with_(fsdp_offload=True), room, over, gpus)
     if rung.chunked and fitted.checkpoint == "budget" and fitted.checkpoint_budget:
         # a small room shrinks the chunk, as prepare does; the budgets stay (they are room)
         fitted = fitted.with_(loss_chunk_tokens=min(fitted.loss_chunk_tokens, auto_chunk_tokens(

@@ -101,6 +101,12 @@ print("PASS" if not bad else "FAIL")
 sys.exit(1 if bad else 0)
 PYEOF
 
+# tightfit train with the shards on the host: gradient clipping (default 0.3) reduces the
+# norm of host-side grads (the process group's gloo half)
+timeout 90 torchrun2 -m tightfit.cli train --fsdp --fsdp-offload $T --steps 2 --out "$OUT/train_off" \
+  2>&1 | tee -a "$LOG" | only -i "error\|wrote\|loss .* over" || status=1
+[ -f "$OUT/train_off/report.json" ] || { echo "FAIL: tightfit train --fsdp-offload" | tee -a "$LOG"; status=1; }
+
 # 5. a rank out of memory under NCCL: one line naming it, step 2 saved once (the peer waits
 #    in a device sync, not in torch.distributed: the watcher's 5 s rule; up to the process
 #    group's 120 s timeout before torchrun ends it)

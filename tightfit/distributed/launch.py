@@ -63,7 +63,8 @@ def init_from_env(
     """Initialize the default process group from torchrun's environment variables.
 
     Args:
-        backend: ``"auto"`` picks NCCL when the device is CUDA and gloo otherwise.
+        backend: ``"auto"`` picks NCCL when the device is CUDA (with gloo for CPU tensors:
+            ``"cpu:gloo,cuda:nccl"``) and gloo otherwise.
         device: ``"auto"`` uses ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
         timeout_s: collective timeout; a stuck peer fails the job instead of hanging it.
 
@@ -93,7 +94,9 @@ def init_from_env(
     if use_cuda:
         torch.cuda.set_device(dev)
     if not torch.distributed.is_initialized():
-        name = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+        # auto on CUDA: NCCL for CUDA tensors, gloo for CPU ones (--fsdp-offload keeps the
+        # grads on the host: gradient clipping's norm is then reduced there)
+        name = backend if backend != "auto" else ("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
         torch.distributed.init_process_group(
             name,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -51,7 +51,7 @@ def _report() -> MemoryReport:
         Piece("base weights", "base weight storage", "bf16", 15_000 * MiB, "NF4", 3_900 * MiB,
               {"params": 7_000_000_000, "bits_per_param": 4}),
         Piece("activations", "activation memory", "no checkpointing, unchunked loss (predicted, "
-              "not run: it would pass the memory target)", 90_000 * MiB, long, 2_000 * MiB,
+              "not run: it would not fit the memory left)", 90_000 * MiB, long, 2_000 * MiB,
               {"policy": "selective", "plan_predicted_peak_bytes": 2_100 * MiB}),
         Piece("optimizer state", "optimizer-state spikes (OOM mid-run)", "full AdamW (fp32)",
               50_000 * MiB, "PagedAdamW8bit (LoRA)", 300 * MiB,

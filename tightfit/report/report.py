@@ -173,7 +173,7 @@ def _activations_row(
         with pieces.memory_pieces_off(model):
             without_peak, _ = pieces.step_activation_peak(model, batch)
     else:
-        without = "no checkpointing (predicted, not run: it would pass the memory target)"
+        without = "no checkpointing (predicted, not run: it would not fit the memory left)"
     ran = [f"{plan.policy} checkpoint plan" if plan is not None else "no checkpointing",
            "chunked loss" if chunked else "unchunked loss"]
     detail: dict[str, Any] = {"policy": plan.policy if plan is not None else "none",

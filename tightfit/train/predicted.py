@@ -153,8 +153,14 @@ def predicted_without_pass(run: Run, stats: dict[str, Any]) -> int | None:
     est, _ = planned_estimate(run)
     if est is None:
         return None
-    bare = estimate(est.shape, est.setup.with_(checkpoint="none", checkpoint_budget=None,
-                                               loss_chunk_tokens=None), Overhead(0, 0.0))
+    # the plan off (its offload with it) and the loss unchunked; the MLP tiles stay, as in
+    # report.pieces.memory_pieces_off
+    try:
+        bare = estimate(est.shape, est.setup.with_(checkpoint="none", checkpoint_budget=None,
+                                                   offload="none", loss_chunk_tokens=None),
+                        Overhead(0, 0.0))
+    except ValueError:  # a setup the planner models with the plan but not without it
+        return None
     if bare.activation_peak > usable_room(machine_room(run.device), run.device):
         return bare.activation_peak
     target = stats.get("target_bytes")

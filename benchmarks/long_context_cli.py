@@ -236,6 +236,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "results" / "long_context_cgroup.md"))
     p.add_argument("--raw", default=str(HERE / "results" / "long_context_cgroup.json"))
     p.add_argument("--from-json", default=None, help="rewrite --out from a --raw file")
+    p.add_argument("--pairs-at", type=int, default=None,
+                   help="only the step-time pairs at this many tokens (one after the other, "
+                        "nothing else running), written into the --raw file's records")
     return p.parse_args(argv)
 
 
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
         res = json.loads(Path(a.from_json).read_text())
         write(res, Path(a.out))
         return res
+    if a.pairs_at:
+        return pairs_only(a)
     load0, t0 = os.getloadavg(), time.perf_counter()
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as t:
@@ -264,6 +269,23 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"args": vars(a), "predicted": pred, "tf_longest": tf_longest,
            "hf_longest": hf_longest, "runs": runs, "free": free, "pairs": pairs,
            "load": (load0, os.getloadavg()), "wall_s": time.perf_counter() - t0}
+    Path(a.raw).write_text(json.dumps(res, indent=1, default=str))
+    write(res, Path(a.out))
+    return res
+
+
+def pairs_only(a: argparse.Namespace) -> dict:
+    """``--pairs`` pairs at ``--pairs-at`` tokens, HF then tightfit, uncapped, alone on the
+    machine; they replace the pairs of the ``--raw`` file, which is then written out again."""
+    res = json.loads(Path(a.raw).read_text())
+    load0 = os.getloadavg()
+    pairs = []
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        make_inputs(a, tmp)
+        for _ in range(a.pairs):
+            pairs.append((hf_run(a, tmp, a.pairs_at, None), tightfit_run(a, tmp, a.pairs_at, None)))
+    res.update(pairs=pairs, pairs_load=(load0, os.getloadavg()), pairs_at=a.pairs_at)
     Path(a.raw).write_text(json.dumps(res, indent=1, default=str))
     write(res, Path(a.out))
     return res
@@ -317,10 +339,14 @@ def write(r: dict, out: Path) -> None:
     if r["pairs"]:
         ratios = [f["seconds"][-1] / h["seconds"][-1] for h, f in r["pairs"]
                   if f["seconds"] and h["seconds"]]
-        lines += ["", f"Step time at HF's longest ({hf:,} tokens), uncapped, paired (HF then "
+        at = r.get("pairs_at", hf)
+        alone = (f" Run alone afterwards (`--pairs-at {at} --pairs {len(r['pairs'])}`), load "
+                 f"{load_text(r['pairs_load'][0])} → {load_text(r['pairs_load'][1])}."
+                 if "pairs_load" in r else " Run beside the other runs of this command.")
+        lines += ["", f"Step time at HF's longest ({at:,} tokens), uncapped, paired (HF then "
                   "tightfit, the last step of each run; tightfit's includes its optimizer "
                   f"step): tightfit / HF per pair {', '.join(f'{x:.2f}' for x in ratios)}; "
-                  f"median **{statistics.median(ratios):.2f}×**." if ratios else ""]
+                  f"median **{statistics.median(ratios):.2f}×**.{alone}" if ratios else ""]
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
 

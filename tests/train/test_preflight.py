@@ -58,6 +58,8 @@ def test_too_long_is_refused_with_the_longest_that_fits(long_dir: Path, monkeypa
     msg = str(err.value)
     assert "--seq-len 8192 (batch 1) does not fit" in msg
     assert "the memory cgroup's limit" in msg and "binds" in msg
+    # the plan command that asks the same question (this limit, this overhead, no margin)
+    assert f"tightfit plan --model {long_dir} --gpu 8MiB --overhead 0MiB --margin 0" in msg
     longest = int(msg.split("these options fit is ")[1].split(" tokens")[0].replace(",", ""))
     assert 0 < longest < 8192
     assert f"pass --seq-len {longest} or less" in msg

@@ -168,8 +168,8 @@ def check_fits(cfg: RunConfig, device: torch.device) -> Preflight:
             f"--seq-len {t.seq_len} (batch {t.batch_size}) does not fit: the step is predicted "
             f"at {format_bytes(fit.row.estimate.total) if fit.row.estimate else 'n/a'} of the "
             f"{format_bytes(limit)} of {source}{held} ({_binds(fit)} binds); the longest "
-            f"sequence these options fit is {longest:,} tokens; {fix} (see `tightfit plan "
-            f"--model {t.model} --max-seq`).")
+            f"sequence these options fit is {longest:,} tokens; {fix} (the same question "
+            f"for every configuration: `{_plan_command(t.model, setup, limit, overhead)}`).")
     notes = [f"plan: {fit.describe()}"]
     chosen = fit.row.setup.resident_layers
     if sized["paged_weights"]:  # auto: the planner's number, saved with the run's options
@@ -179,6 +179,15 @@ def check_fits(cfg: RunConfig, device: torch.device) -> Preflight:
                          "4-bit weights of the other layers on the next tier, streamed one "
                          "layer ahead")
     return Preflight(cfg, fit, tuple(notes))
+
+
+def _plan_command(model: str, setup: TrainSetup, limit: int, overhead: int) -> str:
+    """The ``tightfit plan --max-seq`` line that asks what this check asked: this limit, this
+    overhead (on the CPU what the process holds, with the step's margin), no further margin."""
+    mib = 1 << 20
+    return (f"tightfit plan --model {model} --gpu {limit // mib}MiB --overhead "
+            f"{-(-overhead // mib)}MiB --margin 0 --batch-size {setup.batch_size} "
+            f"--compute-dtype {setup.compute_dtype} --lora-r {setup.lora_r} --max-seq")
 
 
 def _binds(fit: RunFit) -> str:

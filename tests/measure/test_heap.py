@@ -37,4 +37,6 @@ def _left_mib(mode: str) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_fixed_threshold_hands_freed_tensors_back() -> None:
     assert _left_mib("fixed") < 8
-    assert _left_mib("dynamic") >= 64  # without it the heap keeps them: the case it fixes
+    # without it the heap keeps them, the case it fixes: all 128 MiB, or, where free trims the
+    # heap's top, what the trim threshold keeps (it grows with the mmap threshold: 2 x 16 MiB)
+    assert _left_mib("dynamic") >= 24

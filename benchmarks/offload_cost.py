@@ -28,7 +28,7 @@ from environment import cpu_model, load_text, versions_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from long_context import batch_of, save_model  # noqa: E402
+from long_context import batch_of, save_model, step  # noqa: E402
 
 import tightfit  # noqa: E402
 
@@ -45,14 +45,6 @@ def build(folder: Path, batch: dict, mode: str, a: argparse.Namespace, spill: st
                              example=batch, device=torch.device("cpu"))
     model.train()
     return model
-
-
-def one_step(model: torch.nn.Module, batch: dict) -> tuple[float, float]:
-    model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    return float(loss), time.perf_counter() - t0
 
 
 def planner_rows(folder: Path, tokens: int) -> list[str]:
@@ -102,10 +94,10 @@ def main() -> None:
         losses: dict[str, list[float]] = {m: [] for m in MODES}
         secs: dict[str, list[float]] = {m: [] for m in MODES}
         for m in MODES:
-            one_step(models[m], batch)  # warm-up: the spill file and the copy thread start
+            step(models[m], batch, a.device)  # warm-up: the spill file and the copy thread start
         for i in range(a.rounds):
             for m in (MODES if i % 2 == 0 else MODES[::-1]):
-                loss, s = one_step(models[m], batch)
+                loss, _, s = step(models[m], batch, a.device)  # one forward + backward
                 losses[m].append(loss)
                 secs[m].append(s)
         rows = planner_rows(folder, a.tokens)

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from tightfit.distributed.launch import fsdp_unavailable, run_torchrun
 from tightfit.train.job import TrainJob
 
+from .helpers import tiny_llama
+
 pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(fsdp_unavailable() is not None, reason=fsdp_unavailable() or ""),
@@ -56,15 +58,7 @@ ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-ev
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _two_ranks_with_a_target(model_dir: Path, out: Path, strategy: str) -> None:

@@ -30,7 +30,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     shard_frozen: bool = True,
     device: torch.device | None = None,
-    offload: bool = False,
+    fsdp_offload: bool = False,
 ) -> nn.Module:
     """Make ``model`` data-parallel over the default process group.
 
@@ -50,7 +50,7 @@ def shard_model(
             :func:`tightfit.qlora.shardable.make_shardable`). ``False`` leaves them
             replicated on every rank (``fully_shard(ignored_params=...)``).
         device: this rank's device (default: the model's); pass it for a model on meta.
-        offload: FSDP2: keep every sharded parameter, its gradient and so the optimizer
+        fsdp_offload: FSDP2: keep every sharded parameter, its gradient and so the optimizer
             step on the host (FSDP2's own ``CPUOffloadPolicy``, pinned on CUDA); a unit's
             shards are copied to ``device`` for its all-gather and the unsharded block lives
             there while it runs. The device then holds only what is gathered (the root and
@@ -73,8 +73,8 @@ def shard_model(
             "tightfit.distributed.launch.init_from_env() first"
         )
     device = device if device is not None else next(model.parameters()).device
-    if strategy == "ddp" and offload:
-        raise ValueError("offload applies to FSDP2's shards; DDP replicas keep the whole model "
+    if strategy == "ddp" and fsdp_offload:
+        raise ValueError("fsdp_offload applies to FSDP2's shards; DDP replicas keep the whole model "
                          "on each device: use strategy='fsdp' (tightfit train --fsdp)")
     if strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
@@ -89,20 +89,20 @@ def shard_model(
             make_shardable(layer)
     blocks = blocks if blocks is not None else find_blocks(model)
     _fully_shard_units(model, blocks, device, reshard_after_forward=reshard_after_forward,
-                       shard_frozen=shard_frozen, offload=offload)  # fmt: skip
+                       shard_frozen=shard_frozen, fsdp_offload=fsdp_offload)  # fmt: skip
     _prefetch_one_ahead(blocks)
     return model
 
 
 def _fully_shard_units(model: nn.Module, blocks: list[nn.Module], device: torch.device, *,
-                       reshard_after_forward: bool, shard_frozen: bool, offload: bool) -> None:
+                       reshard_after_forward: bool, shard_frozen: bool, fsdp_offload: bool) -> None:
     """``fully_shard`` each block, the frozen untied embedding, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # pinned host shards (their copy to the device can overlap); the CPU has nothing to pin
-    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp_offload else OffloadPolicy()
 
     def frozen(module: nn.Module) -> set[nn.Parameter] | None:
         return None if shard_frozen else {p for p in module.parameters() if not p.requires_grad}
@@ -125,7 +125,7 @@ def _fully_shard_units(model: nn.Module, blocks: list[nn.Module], device: torch.
 
 def shards_on_host(model: nn.Module) -> bool:
     """Whether FSDP2 keeps every sharded parameter of ``model`` on the host
-    (``shard_model(offload=True)``); ``False`` when any stays on the device or none is sharded."""
+    (``shard_model(fsdp_offload=True)``); ``False`` when any stays on the device or none is sharded."""
     from torch.distributed.fsdp import FSDPModule
 
     flags = []

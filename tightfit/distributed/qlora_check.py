@@ -106,7 +106,7 @@ def _build(opts: QloraCheck, info: launch.DistInfo) -> nn.Module:
         from tightfit.distributed.sharded_load import load_sharded
 
         return load_sharded(folder, options, lora=lora, example=example, device=info.device,
-                            offload=opts.fsdp_offload)
+                            fsdp_offload=opts.fsdp_offload)
     from tightfit.qlora.prepare import prepare
 
     return prepare(folder, options, lora=lora, example=example, device=info.device)

@@ -49,14 +49,14 @@ def load_sharded(
     device: torch.device,
     reshard_after_forward: bool = True,
     check: Callable[[nn.Module], None] | None = None,
-    offload: bool = False,
+    fsdp_offload: bool = False,
 ) -> nn.Module:
     """The QLoRA model of ``folder`` (a local HF causal LM, safetensors), FSDP2-sharded.
 
     Every rank calls it (a process group must exist); the RNG must be seeded as for
     :func:`tightfit.prepare` (LoRA's initial ``A`` is drawn from it). ``check`` (the caller's
-    own refusals: sequence length, vocabulary) runs on the meta model. ``offload``: the
-    shards are allocated and loaded on the host and stay there (``shard_model(offload=True)``,
+    own refusals: sequence length, vocabulary) runs on the meta model. ``fsdp_offload``: the
+    shards are allocated and loaded on the host and stay there (``shard_model(fsdp_offload=True)``,
     FSDP2's ``CPUOffloadPolicy``); the buffers go to ``device``. Returns the prepared,
     sharded model with ``model.tightfit_info``, as ``prepare`` + ``shard_model`` would.
 
@@ -103,8 +103,8 @@ def load_sharded(
     for _, layer in list(linear4bit_layers(model)):
         empty_shardable(layer, blocksize=options.blocksize)
     shard_model(model, "fsdp", reshard_after_forward=reshard_after_forward, device=device,
-                offload=offload)
-    real = _materialize(model, device, offload=offload)
+                fsdp_offload=fsdp_offload)
+    real = _materialize(model, device, fsdp_offload=fsdp_offload)
     _load_weights(model, files, cdtype, skip=real)
     info = PrepareInfo(options, lora, device, cdtype, quantized=quantized, adapted=adapted,
                        base_numel=base_numel)  # fmt: skip
@@ -202,16 +202,16 @@ def _placeholder_weights(model: nn.Module, dtype: torch.dtype) -> dict[nn.Module
     return stashed
 
 
-def _materialize(model: nn.Module, device: torch.device, *, offload: bool = False) -> set[str]:
-    """Allocate this rank's shards (``to_empty``; on the host under ``offload``, where
+def _materialize(model: nn.Module, device: torch.device, *, fsdp_offload: bool = False) -> set[str]:
+    """Allocate this rank's shards (``to_empty``; on the host under ``fsdp_offload``, where
     FSDP2's ``CPUOffloadPolicy`` keeps them, the buffers still on ``device``), keeping what
     was real: LoRA and buffers; the names of those kept (the rest is read from the checkpoint)."""
     kept = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if not t.is_meta:
             kept[name] = local_tensor(t).detach().clone()
-    model.to_empty(device=torch.device("cpu") if offload else device)
-    if offload:  # the code books and rotary tables are read on the device by every forward
+    model.to_empty(device=torch.device("cpu") if fsdp_offload else device)
+    if fsdp_offload:  # the code books and rotary tables are read on the device by every forward
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None:

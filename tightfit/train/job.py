@@ -50,7 +50,7 @@ class TrainJob:
     reshard_after_forward: bool = False
     # FSDP2: every shard (base, LoRA, grads) and the optimizer step on the host
     # (CPUOffloadPolicy, --fsdp-offload); the device holds what is gathered in flight
-    offload: bool = False
+    fsdp_offload: bool = False
     # the model FSDP2 sharded (set by wrap / load_sharded): the report's per-rank base bytes
     sharded: nn.Module | None = field(default=None, repr=False)
     # under torchrun: how a rank that fails in its step stops the others and the last
@@ -68,10 +68,10 @@ class TrainJob:
     # ------------------------------------------------------------------ setup
     @classmethod
     def start(cls, fsdp: bool, batch_size: int, device: str | None = None, *,
-              reshard_after_forward: bool = False, offload: bool = False) -> TrainJob:
+              reshard_after_forward: bool = False, fsdp_offload: bool = False) -> TrainJob:
         """Initialize from torchrun's environment (or a single process without it).
 
-        ``reshard_after_forward`` picks ZeRO-3 over ZeRO-2 under ``fsdp``, ``offload`` keeps
+        ``reshard_after_forward`` picks ZeRO-3 over ZeRO-2 under ``fsdp``, ``fsdp_offload`` keeps
         the shards on the host (see the fields).
 
         Raises:
@@ -95,7 +95,7 @@ class TrainJob:
         _refuse_device_index(device)
         kind = "auto" if device is None else torch.device(device).type
         info = launch.init_from_env(device=kind)  # type: ignore[arg-type]
-        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward, offload and fsdp,
+        return cls(info, "fsdp" if fsdp else "ddp", reshard_after_forward, fsdp_offload and fsdp,
                    stop=PeerStop())
 
     def model_device(self, requested: str | None) -> str | torch.device | None:
@@ -111,7 +111,7 @@ class TrainJob:
             return shard_model(model, "ddp")
         # The frozen base, grads and the paged optimizer state are sharded either way.
         self.sharded = shard_model(model, "fsdp", reshard_after_forward=self.reshard_after_forward,
-                                   offload=self.offload)
+                                   fsdp_offload=self.fsdp_offload)
         return self.sharded
 
     def loads_shards(self, model_folder: str | None) -> bool:
@@ -134,7 +134,7 @@ class TrainJob:
         on the model while it is still on the meta device, before any weight is read."""
         self.sharded = load_sharded(folder, options, lora=lora, example=example,
                                     device=self.info.device, check=check,
-                                    offload=self.offload)  # fmt: skip
+                                    fsdp_offload=self.fsdp_offload)  # fmt: skip
         return self.sharded
 
     def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -108,7 +108,7 @@ def setup(cfg: RunConfig, *, progress: bool, log: Callable[[str], None]) -> Run:
     t = cfg.train
     validate.check_run(cfg)  # the lr, device, folders: before torchrun starts or anything loads
     job = TrainJob.start(t.fsdp, t.batch_size, t.device,  # torchrun: one rank of N
-                         reshard_after_forward=t.zero3, offload=t.fsdp_offload)
+                         reshard_after_forward=t.zero3, fsdp_offload=t.fsdp_offload)
     if not job.is_main:
         log, progress = (lambda _msg: None), False
     out = _output_folder(t)

@@ -6,20 +6,20 @@
    cache), the same on one thread, the striped torch copy before both (4 MiB stripes copied,
    then hashed, on two threads), zlib's CRC-32 and a torch ``int64`` sum; and XXH3-64 in cache.
 2. PagedAdamW at 50 % and 10 % resident (``benchmarks/optimizer.py``'s setup: one 50M-param
-   tensor, 8 MiB pages), six modes round-robin in one process: *on* (the pager as it is),
-   *off* (the same striped, chunked copy with the hashing taken out), *single* and *single
-   off* (the chunked copy and hash on the copy worker alone, which *on* replaced, with and
-   without the hash), *before* (the striped torch copy and hash *single* replaced) and *before
-   off* (a plain torch copy: the earlier figures' "off"). The modes swap the pager's copy and
-   hash functions inside this script only; there is no such option.
-   Wall time and process CPU time per step (CPU time is less disturbed by other work on a
-   shared machine). Here the spill files stay in the page cache, so a "disk" copy runs at RAM
-   speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed at
-   XXH3's in-cache speed on this machine, as a share of the "off" step's CPU time — what
-   hashing costs even with no extra pass over RAM and perfect overlap; and the same at XXH3's
-   own in-cache speed (without ``checksum()``'s per-call overhead), beside the copy worker's
-   and hash pool's own CPU time on minus off (Linux): whether the hash itself or the way its
-   time lands on the update's threads makes up the ratio.
+   tensor, 8 MiB pages), four modes round-robin in one process, one residency at a time, the
+   order reversed every other round: *on* (the pager as it is: the update leaves the copy
+   threads their cores, ``CopyEngine.beside_copies``), *off* (the same with the hashing taken
+   out of the copy), and both again with the update on every core (*all cores*: the pager
+   until commit 37bf4bc). The modes swap the pager's copy and hash functions and its core
+   count inside this script only; there is no such option. Wall time and process CPU time
+   per step; paired ratios (each round's steps ran back to back) as medians with a 95 %
+   bootstrap interval. Here the spill files stay in the page cache, so a "disk" copy runs at
+   RAM speed: the worst case for the checksums' share. Beside it the floor: the bytes hashed
+   at XXH3's in-cache speed on this machine, as a share of the "off" step's CPU time — what
+   hashing costs even with no extra pass over RAM and perfect overlap; and the same at
+   XXH3's own in-cache speed (without ``checksum()``'s per-call overhead), beside the copy
+   worker's and hash pool's own CPU time on minus off (Linux): whether the hash itself or the
+   way its time lands on the update's threads makes up the ratio.
 3. The same steps in a child process under a memory cgroup that leaves no room to keep the
    spill files in the page cache, so pages really come from and go to the disk (what the tier
    is for: state that does not fit in RAM). Skipped where no cgroup can be made, or with
@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 from tightfit.integrity import checksums  # noqa: E402
 from tightfit.integrity.checksums import CHUNK, STRIPE, checksum, copy_and_checksum  # noqa: E402
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
-from tightfit.paging import disk  # noqa: E402
+from tightfit.paging import disk, sweep  # noqa: E402
 
 MIB = 1 << 20
 
@@ -116,7 +116,7 @@ def candidates(pages: int, rounds: int) -> list[str]:
         "copy, then XXH3-64 of the copy": lambda s: (dst.copy_(s), checksum(dst)),
         "copy_and_checksum (4 MiB stripes on 2 threads, 256 KiB chunks hashed after copy)":
             lambda s: copy_and_checksum(dst, s),
-        "the same on the copy worker alone (mode single)": lambda s: _single(dst, s),
+        "the same on the copy worker alone (b71e87e..3862237)": lambda s: _single(dst, s),
         "chunked copy alone (copy_and_checksum without the hash)": lambda s: _off(dst, s),
         "before: 4 MiB stripes on 2 threads, each hashed after its copy": lambda s: _before(dst, s),
         "XXH3-64 alone": checksum,
@@ -152,7 +152,7 @@ def _off(dst: torch.Tensor, src: torch.Tensor) -> int:
     stripes, chunk by chunk, on the copy worker and the hash pool."""
     d, s = dst.numpy(), src.numpy()
     checksums._striped(d.size, lambda st: _chunked(d, s, st))
-    return 0  # not the combination of the stripes' zeros, which is not 0
+    return UNHASHED
 
 
 def _single(dst: torch.Tensor, src: torch.Tensor) -> int:
@@ -163,15 +163,9 @@ def _single(dst: torch.Tensor, src: torch.Tensor) -> int:
         a + STRIPE, d.size))) for a in range(0, max(d.size, 1), STRIPE)])  # fmt: skip
 
 
-def _single_off(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """Mode *single* without the hash: the chunked copy on the calling thread alone."""
-    _chunked(dst.numpy(), src.numpy(), slice(0, dst.numel()))
-    return 0
-
-
 def _before(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """The copy and hash of commit 3c8118b and before (mode *before*): 4 MiB stripes, each
-    copied by torch then hashed, the copy worker and the hash pool taking stripes in turn."""
+    """The copy and hash of commit 3c8118b and before: 4 MiB stripes, each copied by torch
+    then hashed, the copy worker and the hash pool taking stripes in turn."""
 
     def one(s: slice) -> int:
         out = dst[s]
@@ -181,75 +175,94 @@ def _before(dst: torch.Tensor, src: torch.Tensor) -> int:
     return checksums._striped(dst.numel(), one)
 
 
-def _before_off(dst: torch.Tensor, src: torch.Tensor) -> int:
-    dst.copy_(src)  # mode *before off*: torch's copy, as the earlier figures' "off"
-    return 0
-
-
 FRACTIONS = {"50% resident": 0.5, "10% resident": 0.1}
-_NONE = (lambda t: 0, lambda nbytes: 0)  # page_checksum, zeros_checksum of the unhashed modes
-# mode -> (page_checksum, copy_and_checksum, zeros_checksum) the pager's disk tier uses
-MODES = {
-    "on": (disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum),
-    "off": (_NONE[0], _off, _NONE[1]),
-    "single": (disk.page_checksum, _single, disk.zeros_checksum),
-    "single off": (_NONE[0], _single_off, _NONE[1]),
-    "before": (disk.page_checksum, _before, disk.zeros_checksum),
-    "before off": (_NONE[0], _before_off, _NONE[1]),
-}
-PAIRS = {"on / off": ("on", "off"), "single / single off": ("single", "single off"),
-         "before / before off": ("before", "before off"), "on / before off": ("on", "before off"),
-         "on / single": ("on", "single"), "on / before": ("on", "before")}  # fmt: skip
+UNHASHED = -1  # what the unhashed modes record for a page written to disk: never verified
+# mode -> (hashed, whether the update leaves the copy threads their cores as the pager does,
+# or takes every core as it did until commit 37bf4bc)
+MODES = {"on": (True, True), "off": (False, True),
+         "on, all cores": (True, False), "off, all cores": (False, False)}  # fmt: skip
+PAIRS = {"on / off": ("on", "off"), "on / off, all cores": ("on, all cores", "off, all cores"),
+         "on / on, all cores": ("on", "on, all cores"),
+         "off / off, all cores": ("off", "off, all cores")}  # fmt: skip
+OVER = ["on / off", "on / off, all cores"]  # hashed / the same unhashed: against the floor
+_REAL = (disk.copy_and_checksum, disk.page_checksum, disk.verify, sweep.copy_threads)
+
+
+def _verify_hashed(spill: object, page: object, data: torch.Tensor, found: int | None = None
+                   ) -> None:
+    """``disk.verify`` for pages last written by a hashing mode; a page an unhashed mode wrote
+    (or read) is taken as it is, so every mode can step the same optimizer (its memory, not
+    one optimizer's placement against another's, is what the modes share)."""
+    if found != UNHASHED and page.spill_checksum != UNHASHED:  # type: ignore[attr-defined]
+        _REAL[2](spill, page, data, found)  # type: ignore[arg-type]
+
+
+def _use(mode: str | None) -> None:
+    """Swap the pager's disk copy, page checksum and core policy for those of ``mode``
+    (``None``: the pager's own again)."""
+    copy, page, verify, threads = _REAL
+    if mode is not None:
+        hashed, own_cores = MODES[mode]
+        verify = _verify_hashed
+        if not hashed:
+            copy, page = _off, (lambda data: UNHASHED)
+        if not own_cores:
+            threads = lambda nbytes: 0  # noqa: E731
+    disk.copy_and_checksum, disk.page_checksum, disk.verify = copy, page, verify
+    sweep.copy_threads = threads
+
+
+def median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of ``values`` and a 95 % percentile-bootstrap interval around it (a fixed
+    seed, so a rerun on the same figures gives the same interval)."""
+    rng = np.random.default_rng(0)
+    arr = np.asarray(values)
+    meds = np.median(rng.choice(arr, size=(resamples, arr.size)), axis=1)
+    return float(np.median(arr)), float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
 
 
 def paged(n: int, rounds: int, page: int, labels: list[str]) -> dict[str, dict[str, float]]:
-    """Paged steps in every mode of :data:`MODES`, round-robin: per residency ``label``, the
-    MiB hashed per step, the median wall and CPU seconds of each mode and the median paired
-    ratios of :data:`PAIRS`."""
-    real = MODES["on"]
+    """Steps of one PagedAdamW per residency in every mode of :data:`MODES`, round-robin in
+    alternating order (forward, then backward: a mode's place in the round favours none);
+    per residency ``label``, the MiB hashed per step, the median wall and CPU seconds of each
+    mode and the median paired ratios of :data:`PAIRS` with their 95 % intervals."""
     param = torch.randn(n)
     param.grad = torch.randn(n) * 1e-3
     root = tempfile.mkdtemp(prefix="tightfit-bench-checksums-")
-    configs = {}
-    for label in labels:
-        for mode in MODES:
-            configs[(label, mode)] = PagedAdamW(
-                [param], page_bytes=page, device_budget=int(8 * n * FRACTIONS[label]),
-                spill_dir=root)  # fmt: skip
-    wall: dict = {k: [] for k in configs}
-    cpu: dict = {k: [] for k in configs}
-    copy_cpu: dict = {k: [] for k in configs}
-    for r in range(rounds + 1):  # round 0: placement and first touch
-        for key, opt in configs.items():
-            disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = MODES[key[1]]
-            k0, c0, t0 = _copy_thread_cpu(), _cpu(), time.perf_counter()
-            opt.step()
-            if r:
-                wall[key].append(time.perf_counter() - t0)
-                cpu[key].append(_cpu() - c0)
-                k1 = _copy_thread_cpu()
-                # a thread started during this step (the first) counts from 0
-                copy_cpu[key].append(None if k1 is None else k1 - (k0 or 0.0))
-    disk.page_checksum, disk.copy_and_checksum, disk.zeros_checksum = real
     out = {}
     for label in labels:
-        s = configs[(label, "on")].memory_stats()
-        out[label] = {"hashed": 2 * (s["state_bytes"] - s["resident_bytes"])}
+        opt = PagedAdamW([param], page_bytes=page, device_budget=int(8 * n * FRACTIONS[label]),
+                         spill_dir=root)
+        _use("on")
+        opt.step()  # placement and first touch
+        wall: dict = {m: [] for m in MODES}
+        cpu: dict = {m: [] for m in MODES}
+        copy_cpu: dict = {m: [] for m in MODES}
+        for r in range(rounds):
+            for mode in list(MODES)[:: 1 if r % 2 else -1]:
+                _use(mode)
+                k0, c0, t0 = _copy_thread_cpu(), _cpu(), time.perf_counter()
+                opt.step()
+                wall[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(_cpu() - c0)
+                k1 = _copy_thread_cpu()
+                copy_cpu[mode].append(None if k1 is None or k0 is None else k1 - k0)
+        _use(None)
+        s = opt.memory_stats()
+        f = out[label] = {"hashed": 2 * (s["state_bytes"] - s["resident_bytes"])}
         # the same round's steps ran back to back: their ratio cancels slow drifts of the
         # machine (the disk's throughput under the cap varies by 2 x between minutes)
         for name, (a, b) in PAIRS.items():
-            pairs = [x / y for x, y in zip(wall[(label, a)], wall[(label, b)], strict=True)]
-            out[label][name] = statistics.median(pairs) - 1
+            ratios = [x / y - 1 for x, y in zip(wall[a], wall[b], strict=True)]
+            f[name], f[f"{name} lo"], f[f"{name} hi"] = median_ci(ratios)
         # the copy threads' extra CPU time with the hash, paired the same way: what hashing
         # costs where it runs, apart from how that time lands on the update's threads
-        on, off = copy_cpu[(label, "on")], copy_cpu[(label, "off")]
-        if None not in on + off:
-            out[label]["copy cpu on - off"] = statistics.median(
-                [x - y for x, y in zip(on, off, strict=True)])
+        if None not in copy_cpu["on"] + copy_cpu["off"]:
+            f["copy cpu on - off"] = statistics.median(
+                [x - y for x, y in zip(copy_cpu["on"], copy_cpu["off"], strict=True)])
         for m in MODES:
-            out[label][f"wall {m}"] = statistics.median(wall[(label, m)])
-            out[label][f"cpu {m}"] = statistics.median(cpu[(label, m)])
-    for opt in configs.values():
+            f[f"wall {m}"] = statistics.median(wall[m])
+            f[f"cpu {m}"] = statistics.median(cpu[m])
         opt.close()
     os.rmdir(root)
     return out
@@ -259,23 +272,27 @@ def table(
     res: dict[str, dict[str, float]], speed: float | None, raw: float | None = None
 ) -> list[str]:
     """The tables of :func:`paged`'s figures: each mode's medians, then the paired ratios
-    (with the floor, and each ratio over it, when ``speed``), then (when ``raw``, XXH3's own
-    in-cache speed) the copy threads' paired extra CPU time against both floors."""
+    with their 95 % intervals (with the floor, and each hashed / unhashed ratio over it,
+    when ``speed``), then (when ``raw``, XXH3's own in-cache speed) the copy threads' paired
+    extra CPU time against both floors."""
     head = "| residency | MiB hashed / step |" + "".join(
         f" wall {m} ms | CPU {m} ms |" for m in MODES)
     rows = [head, "|---" * (head.count("|") - 1) + "|"]
     for label, f in res.items():
         rows.append(f"| {label} | {f['hashed'] / MIB:.0f} |" + "".join(
             f" {f[f'wall {m}'] * 1e3:.1f} | {f[f'cpu {m}'] * 1e3:.1f} |" for m in MODES))
-    over = ["on / off", "single / single off", "before / before off"]  # hashed / same unhashed
     head = "| residency |" + "".join(f" {p} |" for p in PAIRS) + (
-        " floor |" + "".join(f" {p} over the floor |" for p in over) if speed else "")
+        " floor |" + "".join(f" {p} over the floor |" for p in OVER) if speed else "")
     rows += ["", head, "|---" * (head.count("|") - 1) + "|"]
     for label, f in res.items():
-        row = f"| {label} |" + "".join(f" {f[p] * 100:+.1f}% |" for p in PAIRS)
+        row = f"| {label} |" + "".join(
+            f" {f[p] * 100:+.1f}% ({f[f'{p} lo'] * 100:+.1f}..{f[f'{p} hi'] * 100:+.1f}) |"
+            for p in PAIRS)
         if speed:
             floor = f["hashed"] / speed / f["cpu off"]
-            row += f" +{floor * 100:.1f}% |" + "".join(f" {f[p] / floor:.2f} x |" for p in over)
+            row += f" +{floor * 100:.1f}% |" + "".join(
+                f" {f[p] / floor:.2f} x ({f[f'{p} lo'] / floor:.2f}..{f[f'{p} hi'] / floor:.2f}) |"
+                for p in OVER)
         rows.append(row)
     if speed and raw and all("copy cpu on - off" in f for f in res.values()):
         rows += ["", "| residency | floor ms (in-cache speed above) | floor ms (XXH3's own speed) "
@@ -298,10 +315,10 @@ def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
         return [], f"skipped: {cap.detail}"
     res, notes = {}, []
     for label, frac in FRACTIONS.items():
-        # params + grads + every mode's optimizer's resident state + 320 MiB of interpreter
-        # and torch (264 MiB RSS after the imports here): the ~1.6-3.6 x n x 4 bytes of spill
-        # files (four optimizers) cannot stay in the page cache
-        limit = 8 * n + int(len(MODES) * 8 * n * frac) + 320 * MIB
+        # params + grads + the optimizer's resident state + 320 MiB of interpreter and torch
+        # (264 MiB RSS after the imports here): no room to keep its spill file (200 MB at 50 %
+        # resident, 360 MB at 10 %, at the default 50 M params) in the page cache
+        limit = 8 * n + int(8 * n * frac) + 320 * MIB
         cg, join = child_cgroup(cap, limit, "tightfit-bench-checksums")
         cmd = [sys.executable, __file__, "--child", label, "--params", str(n), "--rounds",
                str(rounds)]  # fmt: skip
@@ -320,7 +337,7 @@ def disk_bound(n: int, rounds: int, page: int) -> tuple[list[str], str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000)
-    parser.add_argument("--rounds", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--rounds", type=int, default=100, help="timed steps per optimizer")
     parser.add_argument("--disk-rounds", type=int, default=10,
                         help="the same under the cap (0: skip that section)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checksums.md"))
@@ -366,18 +383,18 @@ def main() -> int:
         "",
         "Every streamed page is verified when it is read in and hashed when it is written back:",
         "2 x the non-resident bytes per step. The spill files fit in the page cache, so these",
-        "copies run at RAM speed. Modes, round-robin in one process: *on* the pager as it is",
-        "(4 MiB stripes on the copy worker and the hash pool, each copied 256 KiB by 256 KiB",
-        "and hashed in cache), *off* the same copy without the hash, *single* the same copy and",
-        "hash on the copy worker alone (b71e87e..3862237), *single off* that without the hash,",
-        "*before* the copy and hash before that (4 MiB stripes on two threads, each copied by",
-        "torch, then hashed), *before off* a plain torch copy (the earlier figures' off).",
+        "copies run at RAM speed. Modes, round-robin in one process (one residency at a time,",
+        "the order reversed every other round): *on* the pager as it is (4 MiB stripes on the",
+        "copy worker and the hash pool, each copied 256 KiB by 256 KiB and hashed in cache; the",
+        "update leaves those threads their cores), *off* the same copy without the hash, and",
+        "both with the update on every core (*all cores*, the pager until 37bf4bc).",
         "*floor*: the MiB hashed at the in-cache speed above, as a share of the off step's CPU",
         "time — the least any hash of every byte costs here. Ratios: the median over rounds of",
-        "(one mode's step / the other's step of the same round) - 1; the target is on / off at",
-        "most 1.5 x the floor. The last table: the copy worker's and hash pool's own CPU",
-        "time (`/proc/self/task/*/schedstat`), on minus off paired by round: what the hash costs",
-        "on the threads that run it, apart from how that time lands on the update's threads.",
+        "(one mode's step / the other's step of the same round) - 1, in brackets its 95 %",
+        "bootstrap interval; the target is on / off at most 1.5 x the floor. The last table:",
+        "the copy worker's and hash pool's own CPU time (`/proc/self/task/*/schedstat`), on",
+        "minus off paired by round: what the hash costs on the threads that run it, apart from",
+        "how that time lands on the update's threads.",
         "",
         *second,
         "",

@@ -226,3 +226,12 @@ def test_a_copy_never_waits_for_a_busy_hash_pool() -> None:
     finally:
         release.set()
         wait(busy)
+
+
+def test_copy_threads_counts_a_pages_stripes_up_to_the_pool() -> None:
+    from tightfit.integrity.checksums import STRIPE, _pool, copy_threads
+
+    most = 1 + _pool()[1]  # the copy worker and the hash pool's helpers
+    assert copy_threads(0) == copy_threads(1) == copy_threads(STRIPE) == 1
+    assert copy_threads(STRIPE + 1) == min(2, most)
+    assert copy_threads(64 * STRIPE) == min(64, most)

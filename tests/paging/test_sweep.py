@@ -145,3 +145,47 @@ def test_an_error_part_way_leaves_done_pages_marked_and_written_back(tmp_path, f
     sweep(store, store.pages, 1, Recorder(store))  # run again for the same step
     assert _values(store) == [1.0] * len(store.pages)  # every page once, none twice
     store.close()
+
+
+class ThreadRecorder(Recorder):
+    """A :class:`Recorder` that also notes torch's intra-op threads in each call."""
+
+    def __init__(self, store: PageStore, fail_at: int | None = None) -> None:
+        super().__init__(store, fail_at)
+        self.threads: list[int] = []
+
+    def __call__(self, items: list[tuple[Page, dict[str, torch.Tensor]]]) -> None:
+        self.threads.append(torch.get_num_threads())
+        super().__call__(items)
+
+
+@pytest.fixture
+def four_threads(one_thread):  # noqa: ANN001, ANN201 (after the module's one_thread)
+    torch.set_num_threads(4)
+    yield
+
+
+@pytest.mark.usefixtures("four_threads")
+@pytest.mark.parametrize(("budget", "inside"), [(None, 4), (5 * PAGE, 3), (2 * PAGE, 3)],
+                         ids=["all", "some", "none"])
+def test_streaming_on_the_cpu_leaves_the_copies_a_core_and_restores_the_threads(
+    tmp_path, budget, inside
+) -> None:
+    # a 4 KiB page is one checksum stripe: one copy thread at a time, so the update (resident
+    # batches and streamed pages alike) runs on three of the four threads while pages stream
+    store = _store(tmp_path, budget)
+    update = ThreadRecorder(store)
+    sweep(store, store.pages, 1, update)
+    assert set(update.threads) == {inside}
+    assert torch.get_num_threads() == 4
+    store.close()
+
+
+@pytest.mark.usefixtures("four_threads")
+def test_the_threads_come_back_when_an_update_fails(tmp_path) -> None:
+    store = _store(tmp_path, 5 * PAGE)
+    update = ThreadRecorder(store, fail_at=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        sweep(store, store.pages, 1, update)
+    assert update.threads == [3, 3, 3] and torch.get_num_threads() == 4
+    store.close()

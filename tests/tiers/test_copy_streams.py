@@ -105,3 +105,13 @@ def test_copy_streams_are_dedicated_non_blocking_and_made_once(monkeypatch) -> N
     assert other != first
     assert [f for _, f in made] == [1, 1]  # cudaStreamNonBlocking, one per role
     assert [d for _, d in wrapped] == [dev, dev]
+
+
+
+def test_cuda_engine_leaves_torch_threads_as_they_are(strict_cuda, strict_pinned) -> None:  # noqa: F811
+    # the update runs on the GPU there: the host's intra-op threads are not the update's
+    engine = CudaCopyEngine(torch.device("cpu"))
+    n = torch.get_num_threads()
+    with engine.beside_copies(8):
+        assert torch.get_num_threads() == n
+    engine.close()

@@ -107,6 +107,12 @@ def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
     return _combine(digests)
 
 
+def copy_threads(nbytes: int) -> int:
+    """How many threads :func:`copy_and_checksum` of a page of ``nbytes`` keeps busy at once:
+    one per :data:`STRIPE`, up to the calling thread and the hash pool's helpers."""
+    return min(-(-max(nbytes, 1) // STRIPE), 1 + _pool()[1])
+
+
 def page_checksum(data: torch.Tensor) -> int:
     """The checksum of a disk-tier page: :func:`checksum` of each :data:`STRIPE` of its bytes,
     stripes hashed on several cores at once, and the checksum of their digests (a page of one

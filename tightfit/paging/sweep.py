@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from tightfit.integrity.checksums import copy_threads
 from tightfit.integrity.interrupts import hold_interrupts
 from tightfit.paging.layout import Page
 from tightfit.paging.store import PageStore
@@ -71,7 +72,10 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
             update([(p, store.arrays(p)) for p in part])
             _commit(store, part, step_id)
 
-    with hold_interrupts() as hold:
+    # On the CPU the streamed pages' copies (and their checksums) get cores of their own,
+    # off the update's path (CopyEngine.beside_copies says why and what it saves)
+    busy = copy_threads(max(p.nbytes for p in streamed)) if streamed and store.on_cpu else 0
+    with hold_interrupts() as hold, engine.beside_copies(busy):
         try:
             for i in range(min(len(slots), len(streamed))):
                 start_load(i)

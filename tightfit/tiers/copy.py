@@ -16,10 +16,11 @@ own reads and writes (a spill-file page that checks its file and its checksum on
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -260,6 +261,31 @@ class CopyEngine:
     def slots_freed(self) -> None:
         """The window slots are about to be freed (the caller synchronized first)."""
 
+    @contextlib.contextmanager
+    def beside_copies(self, copy_threads: int) -> Iterator[None]:
+        """Run the block (an update that streams pages beside this engine's copies) on
+        torch's intra-op threads less ``copy_threads``, at least one; restored on the way
+        out, raised or not.
+
+        On the CPU the update and the copies share the cores. An OpenMP team that takes
+        every core loses a core to each running copy thread, and its other threads then wait
+        at the region's barrier for the one that was preempted, so every millisecond of
+        copying (and hashing) costs the step up to a millisecond on each core. With the
+        copies on cores of their own, a PagedAdamW step that streams half its state took
+        0.7-0.8 x the time on the 2-core build machine, and the checksums' share of it fell
+        from 2.5-3.4 x the least hashing costs to ~0 (``benchmarks/results/checksums.md``).
+        """
+        threads = torch.get_num_threads()
+        fewer = max(1, threads - copy_threads)
+        if fewer == threads:
+            yield
+            return
+        torch.set_num_threads(fewer)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
 
 class CudaCopyEngine(CopyEngine):
     """CUDA version: host↔device copies on a side stream ordered by events.
@@ -467,6 +493,11 @@ class CudaCopyEngine(CopyEngine):
         self._staging, self._spare = {}, []
         for buf in buffers:  # PinnedHost.release synchronizes the device first
             buf.release()
+
+    @contextlib.contextmanager
+    def beside_copies(self, copy_threads: int) -> Iterator[None]:
+        """The update runs on the GPU: the host's cores are left to the copies already."""
+        yield
 
     def slots_freed(self) -> None:
         # staging buffers are keyed by slot address: the new plan's slots take these spares

@@ -172,8 +172,11 @@ def test_streaming_on_the_cpu_leaves_the_copies_a_core_and_restores_the_threads(
     tmp_path, budget, inside
 ) -> None:
     # a 4 KiB page is one checksum stripe: one copy thread at a time, so the update (resident
-    # batches and streamed pages alike) runs on three of the four threads while pages stream
+    # batches and streamed pages alike) runs on three of the four threads while copies are
+    # in flight (here always: the queue never reads as idle; tests/tiers/test_copy.py has
+    # the idle case)
     store = _store(tmp_path, budget)
+    store.engine._pool.idle = lambda: False
     update = ThreadRecorder(store)
     sweep(store, store.pages, 1, update)
     assert set(update.threads) == {inside}
@@ -184,6 +187,7 @@ def test_streaming_on_the_cpu_leaves_the_copies_a_core_and_restores_the_threads(
 @pytest.mark.usefixtures("four_threads")
 def test_the_threads_come_back_when_an_update_fails(tmp_path) -> None:
     store = _store(tmp_path, 5 * PAGE)
+    store.engine._pool.idle = lambda: False
     update = ThreadRecorder(store, fail_at=2)
     with pytest.raises(torch.OutOfMemoryError):
         sweep(store, store.pages, 1, update)

@@ -60,6 +60,14 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         counters.bytes_paged_in += page.nbytes
         counters.page_faults += 1
 
+    # On the CPU the streamed pages' copies (and their checksums) get cores of their own,
+    # off the update's path, while any is in flight (CopyEngine.beside_copies says why)
+    busy = copy_threads(max(p.nbytes for p in streamed)) if streamed and store.on_cpu else 0
+
+    def update_beside(items: list[tuple[Page, dict[str, torch.Tensor]]]) -> None:
+        with engine.beside_copies(busy):
+            update(items)
+
     # Resident work is spread between the streamed pages, so the copies always have compute
     # to hide behind (one batch before the first streamed page, one after each).
     chunks = _split(resident, len(streamed) + 1)
@@ -69,13 +77,10 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         # the update makes one kernel call per layout, so an error in a later call must not
         # leave earlier, already updated pages unmarked (a retry would update them twice).
         for part in _by_layout(chunk):
-            update([(p, store.arrays(p)) for p in part])
+            update_beside([(p, store.arrays(p)) for p in part])
             _commit(store, part, step_id)
 
-    # On the CPU the streamed pages' copies (and their checksums) get cores of their own,
-    # off the update's path (CopyEngine.beside_copies says why and what it saves)
-    busy = copy_threads(max(p.nbytes for p in streamed)) if streamed and store.on_cpu else 0
-    with hold_interrupts() as hold, engine.beside_copies(busy):
+    with hold_interrupts() as hold:
         try:
             for i in range(min(len(slots), len(streamed))):
                 start_load(i)
@@ -84,7 +89,7 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
             for i, page in enumerate(streamed):
                 slot = slots[i % len(slots)][: page.nbytes]
                 counters.stall_seconds += engine.wait(handles.pop(i))
-                update([(page, page.array_views(slot))])
+                update_beside([(page, page.array_views(slot))])
                 _commit(store, [page], step_id, slot)
                 if i + len(slots) < len(streamed):
                     start_load(i + len(slots))

@@ -101,6 +101,11 @@ class CopyQueue:
         self._working = False  # a worker thread is running (set and cleared under the lock)
         self._thread: threading.Thread | None = None  # started on the first copy
 
+    def idle(self) -> bool:
+        """Whether no task is queued or running."""
+        with self._cond:
+            return not self._busy and not self._tasks
+
     def submit(self, fn: Callable[..., object], *args: object) -> CopyTask:
         """Queue ``fn(*args)``."""
         task = CopyTask(self, lambda: fn(*args))
@@ -263,9 +268,10 @@ class CopyEngine:
 
     @contextlib.contextmanager
     def beside_copies(self, copy_threads: int) -> Iterator[None]:
-        """Run the block (an update that streams pages beside this engine's copies) on
-        torch's intra-op threads less ``copy_threads``, at least one; restored on the way
-        out, raised or not.
+        """Run the block (an update beside this engine's copies) on torch's intra-op threads
+        less ``copy_threads``, at least one, if a copy is queued or running as it starts
+        (the thread that runs the block is the one that queues copies, so none starts
+        during it otherwise); restored on the way out, raised or not.
 
         On the CPU the update and the copies share the cores. An OpenMP team that takes
         every core loses a core to each running copy thread, and its other threads then wait
@@ -277,7 +283,7 @@ class CopyEngine:
         """
         threads = torch.get_num_threads()
         fewer = max(1, threads - copy_threads)
-        if fewer == threads:
+        if fewer == threads or self._pool.idle():
             yield
             return
         torch.set_num_threads(fewer)

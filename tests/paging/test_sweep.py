@@ -193,3 +193,18 @@ def test_the_threads_come_back_when_an_update_fails(tmp_path) -> None:
         sweep(store, store.pages, 1, update)
     assert update.threads == [3, 3, 3] and torch.get_num_threads() == 4
     store.close()
+
+
+@pytest.mark.usefixtures("four_threads")
+def test_a_resident_batch_larger_than_the_window_keeps_every_thread(tmp_path) -> None:
+    # 18 pages, 14 resident and 4 streamed through 2 slots: a resident batch of 3 pages
+    # outlasts any copy in flight (at most the window's 2 pages), one of 2 does not
+    store = _store(tmp_path, 16 * PAGE, numels=(2500, 7, 6000))
+    store.engine._pool.idle = lambda: False
+    update = ThreadRecorder(store)
+    sweep(store, store.pages, 1, update)
+    window = sum(slot.numel() for slot in store.slots)
+    for call, threads in zip(update.calls, update.threads, strict=True):
+        assert threads == (4 if sum(p.nbytes for p in call) > window else 3), call
+    assert 4 in update.threads and 3 in update.threads
+    store.close()

@@ -61,11 +61,15 @@ def sweep(store: PageStore, pages: list[Page], step_id: int, update: UpdateFn) -
         counters.page_faults += 1
 
     # On the CPU the streamed pages' copies (and their checksums) get cores of their own,
-    # off the update's path, while any is in flight (CopyEngine.beside_copies says why)
+    # off the update's path, while any is in flight (CopyEngine.beside_copies says why). At
+    # most a window's worth of copies is in flight, so an update of more bytes than the
+    # window outlasts them: it keeps every thread (a batch of resident pages when few stream)
     busy = copy_threads(max(p.nbytes for p in streamed)) if streamed and store.on_cpu else 0
+    window = sum(slot.numel() for slot in slots)
 
     def update_beside(items: list[tuple[Page, dict[str, torch.Tensor]]]) -> None:
-        with engine.beside_copies(busy):
+        nbytes = sum(page.nbytes for page, _ in items)
+        with engine.beside_copies(busy if nbytes <= window else 0):
             update(items)
 
     # Resident work is spread between the streamed pages, so the copies always have compute

@@ -38,11 +38,20 @@ def test_any_flipped_bit_changes_the_checksum() -> None:
     assert zeros_checksum(4096) == checksum(torch.zeros(4096, dtype=torch.uint8))
 
 
-def test_a_page_of_one_stripe_has_the_plain_checksum() -> None:
-    data = torch.randn(300_000).view(torch.uint8)
+def test_a_page_checksum_is_that_of_its_chunks_digests() -> None:
+    import xxhash
+
+    data = torch.randn(50_000).view(torch.uint8)  # 200 kB: one chunk, the plain checksum
     assert page_checksum(data) == checksum(data)
     dst = torch.empty_like(data)
     assert copy_and_checksum(dst, data) == checksum(data) and torch.equal(dst, data)
+    data = torch.randn(300_000).view(torch.uint8)  # 1.2 MB: five chunks of one stripe
+    raw = data.numpy().tobytes()
+    digests = [xxhash.xxh3_64_intdigest(raw[a : a + CHUNK]) for a in range(0, len(raw), CHUNK)]
+    want = xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
+    assert page_checksum(data) == want != checksum(data)
+    dst = torch.empty_like(data)
+    assert copy_and_checksum(dst, data) == want and torch.equal(dst, data)
     with pytest.raises(ValueError, match="bytes to"):
         copy_and_checksum(dst[:10], data)
 
@@ -52,7 +61,7 @@ def test_striped_page_checksum_sees_every_stripe_and_matches_the_copy() -> None:
     dst = torch.zeros_like(src)
     clean = copy_and_checksum(dst, src)
     assert torch.equal(dst, src) and clean == page_checksum(src) == page_checksum(dst)
-    assert clean != checksum(src)  # the digest of the stripes' digests, not the plain one
+    assert clean != checksum(src)  # the digest of the chunks' digests, not the plain one
     for pos in (0, STRIPE - 1, STRIPE, 2 * STRIPE, src.numel() - 1):
         src[pos] ^= 1
         assert page_checksum(src) != clean, pos
@@ -66,15 +75,15 @@ def test_striped_page_checksum_sees_every_stripe_and_matches_the_copy() -> None:
 
 def test_an_error_in_a_helper_thread_is_raised_once_all_stripes_stopped(monkeypatch) -> None:
     src = torch.randn(4 * STRIPE // 4).view(torch.uint8)
-    real, calls = checksums.checksum, []
+    real, calls = checksums._hash_stripe, []
 
-    def flaky(data: torch.Tensor) -> int:
-        calls.append(data.numel())
+    def flaky(view: memoryview, stripe: slice) -> list[int]:
+        calls.append(stripe)
         if len(calls) == 2:
             raise OSError(5, "disk read failed")
-        return real(data)
+        return real(view, stripe)
 
-    monkeypatch.setattr(checksums, "checksum", flaky)
+    monkeypatch.setattr(checksums, "_hash_stripe", flaky)
     with pytest.raises(OSError, match="disk read failed"):
         page_checksum(src)
     ran = len(calls)  # the stripes that ran before the error went on (a helper that had

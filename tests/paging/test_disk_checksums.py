@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from tightfit.integrity.checksums import STRIPE, CorruptStateError, page_checksum
+from tightfit.integrity.checksums import CHUNK, STRIPE, CorruptStateError, page_checksum
 from tightfit.optim.adamw import PagedAdamW
 
 PAGE = 2 * STRIPE + (64 << 10)  # three stripes a page, the last short; each copied and hashed
@@ -28,8 +28,8 @@ def _file_bytes(opt: PagedAdamW, page) -> bytes:  # noqa: ANN001 - a layout Page
 
 
 def _by_definition(data: bytes) -> int:
-    """A disk page's checksum written out: XXH3-64 of each stripe, then of the digests."""
-    digests = [xxhash.xxh3_64_intdigest(data[a : a + STRIPE]) for a in range(0, len(data), STRIPE)]
+    """A disk page's checksum written out: XXH3-64 of each 256 KiB chunk, then of the digests."""
+    digests = [xxhash.xxh3_64_intdigest(data[a : a + CHUNK]) for a in range(0, len(data), CHUNK)]
     return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
 
 

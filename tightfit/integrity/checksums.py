@@ -5,9 +5,10 @@ carry a checksum per page too. The checksum is 64-bit XXH3 (the ``xxhash`` packa
 measured speed (``benchmarks/results/checksums*.md``): ~10-18 GiB/s per core on pages read from
 RAM and 100-120 GiB/s on 256 KiB in cache (27-74 GiB/s through :func:`checksum`, whose checks
 and conversion cost about as much as the hash at that size) on the 2-core build machine, 4-6 x
-zlib's CRC-32; a torch ``int64`` sum is as fast but order-blind (two opposite bit flips cancel). A disk page's checksum is
-that of its :data:`STRIPE` stripes' digests (:func:`page_checksum`, stripes hashed on several
-threads when the page is only read). The sweep's copies (:func:`copy_and_checksum`, its stripes
+zlib's CRC-32; a torch ``int64`` sum is as fast but order-blind (two opposite bit flips
+cancel). A disk page's checksum is that of its :data:`CHUNK` chunks' digests
+(:func:`page_checksum`, its :data:`STRIPE` stripes hashed on several threads when the page is
+only read). The sweep's copies (:func:`copy_and_checksum`, its stripes
 on the copy worker and the hash pool) hash in the copy pass itself: each :data:`CHUNK` is
 copied, then hashed while it is still in the core's cache, so the hash never reads RAM again;
 the copies release the GIL and so does XXH3, so all of it overlaps the update.
@@ -26,9 +27,10 @@ import torch
 import xxhash
 
 ALGORITHM = "xxh3_64"  # the name saved alongside a checksum, so a file says how it was made
-STRIPE = 4 << 20  # a disk page's checksum combines the digests of stripes of this many bytes
-CHUNK = 256 << 10  # copy_and_checksum copies then hashes this many bytes at a time (in L2)
-PAGE_ALGORITHM = f"{ALGORITHM} of {STRIPE >> 20} MiB stripes"  # what page_checksum computes
+CHUNK = 256 << 10  # a disk page's checksum combines the digests of chunks of this many bytes
+STRIPE = 4 << 20  # the share of a page one thread copies and hashes, a whole number of chunks
+PAGE_ALGORITHM = f"{ALGORITHM} of {CHUNK >> 10} KiB chunks"  # what page_checksum computes
+assert STRIPE % CHUNK == 0
 
 
 class CorruptStateError(RuntimeError):
@@ -76,17 +78,18 @@ if hasattr(os, "register_at_fork"):  # a forked child has the pool's objects, no
     os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
-def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
+def _striped(nbytes: int, one: Callable[[slice], list[int]]) -> int:
     """Run ``one`` on every :data:`STRIPE` of a page of ``nbytes`` bytes, the calling thread
-    and the hash pool taking stripes in turn, and combine the stripes' digests in order.
+    and the hash pool taking stripes in turn, and combine the digests of the stripes' chunks
+    (``one``'s lists) in order.
 
     A helper that has not started when the caller has taken the last stripe is cancelled, not
     waited for: with copies on several threads at once (two optimizers, an offloader) the pool
     may be busy with another page's stripe, and this page is already done."""
     stripes = [slice(a, min(a + STRIPE, nbytes)) for a in range(0, max(nbytes, 1), STRIPE)]
     if len(stripes) == 1:
-        return one(stripes[0])
-    digests = [0] * len(stripes)
+        return _combine(one(stripes[0]))
+    digests: list[list[int]] = [[]] * len(stripes)
     ticket = itertools.count()  # next() on a count is atomic under the GIL
 
     def run() -> None:
@@ -104,7 +107,7 @@ def _striped(nbytes: int, one: Callable[[slice], int]) -> int:
         wait(started)
     for h in started:
         h.result()  # a helper's exception is the caller's
-    return _combine(digests)
+    return _combine([d for stripe in digests for d in stripe])
 
 
 def copy_threads(nbytes: int) -> int:
@@ -114,34 +117,46 @@ def copy_threads(nbytes: int) -> int:
 
 
 def page_checksum(data: torch.Tensor) -> int:
-    """The checksum of a disk-tier page: :func:`checksum` of each :data:`STRIPE` of its bytes,
-    stripes hashed on several cores at once, and the checksum of their digests (a page of one
-    stripe: its :func:`checksum`). The disk tier's checksums live in memory and are only ever
-    compared with each other, so the stripes are a speed choice, not a file format.
+    """The checksum of a disk-tier page: the :data:`ALGORITHM` digest of each :data:`CHUNK` of
+    its bytes, then that of those digests (a page of one chunk: its :func:`checksum`); the
+    chunks of each :data:`STRIPE` hashed on one of several cores. The disk tier's checksums
+    live in memory and are only ever compared with each other, so the chunks are a speed
+    choice (a one-shot XXH3 of 256 KiB in cache ran 106 GiB/s here, a streaming update of the
+    same bytes 74 GiB/s), not a file format.
 
     Raises:
         ValueError: ``data`` is not a contiguous uint8 tensor in CPU memory.
     """
     _check_bytes(data)
-    return _striped(data.numel(), lambda s: checksum(data[s]))
+    view = memoryview(data.numpy())
+    return _striped(data.numel(), functools.partial(_hash_stripe, view))
+
+
+def _chunks(stripe: slice) -> list[tuple[int, int]]:
+    return [(x, min(x + CHUNK, stripe.stop)) for x in range(stripe.start, stripe.stop, CHUNK)]
+
+
+def _hash_stripe(view: memoryview, stripe: slice) -> list[int]:
+    """The digests of one stripe's chunks."""
+    return [xxhash.xxh3_64_intdigest(view[x:y]) for x, y in _chunks(stripe)]
 
 
 def _combine(digests: list[int]) -> int:
-    """The page checksum of its stripes' digests (a page of one stripe: that stripe's)."""
+    """The page checksum of its chunks' digests (a page of one chunk: that chunk's)."""
     if len(digests) == 1:
         return digests[0]
     return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in digests))
 
 
-def _copy_stripe(dst: np.ndarray, src: np.ndarray, landed: memoryview, stripe: slice) -> int:
-    """Copy one stripe :data:`CHUNK` by chunk, feeding each chunk as it landed in ``dst`` to
-    the stripe's streaming XXH3 while it is in cache; the stripe's :func:`checksum`."""
-    h = xxhash.xxh3_64()  # streaming: the same digest as xxh3_64 of the whole stripe
-    for x in range(stripe.start, stripe.stop, CHUNK):
-        y = min(x + CHUNK, stripe.stop)
+def _copy_stripe(dst: np.ndarray, src: np.ndarray, landed: memoryview, stripe: slice
+                 ) -> list[int]:
+    """Copy one stripe :data:`CHUNK` by chunk, hashing each chunk as it landed in ``dst``
+    while it is in cache; the digests of the stripe's chunks."""
+    digests = []
+    for x, y in _chunks(stripe):
         np.copyto(dst[x:y], src[x:y])
-        h.update(landed[x:y])
-    return h.intdigest()
+        digests.append(xxhash.xxh3_64_intdigest(landed[x:y]))
+    return digests
 
 
 def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
@@ -149,10 +164,10 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
 
     Both are contiguous uint8 CPU tensors of one size. One pass over the bytes: each
     :data:`STRIPE` is copied :data:`CHUNK` by chunk (numpy's copy, which releases the GIL),
-    each chunk fed to its stripe's streaming XXH3 from ``dst`` while it is still in the core's
-    cache, so hashing costs XXH3's in-cache speed and no second read of RAM; the stripes go to
-    the calling thread (the copy worker) and the hash pool in turn, as :func:`page_checksum`'s
-    do, and their digests combine as there. Spreading the stripes takes a page's faults on
+    each chunk hashed from ``dst`` while it is still in the core's cache, so hashing costs
+    XXH3's in-cache speed and no second read of RAM; the stripes go to the calling thread (the
+    copy worker) and the hash pool in turn, as :func:`page_checksum`'s do, and the chunks'
+    digests combine as there. Spreading the stripes takes a page's faults on
     the spill map on two threads at once (two stripes read from disk when the file is not in
     the page cache), as the striped torch copy before the chunked one did; a helper that is
     late finds no stripe left and is cancelled. What it costs and saves, measured on a loaded

@@ -278,8 +278,9 @@ class CopyEngine:
         at the region's barrier for the one that was preempted, so every millisecond of
         copying (and hashing) costs the step up to a millisecond on each core. With the
         copies on cores of their own, a PagedAdamW step that streams half its state took
-        0.7-0.8 x the time on the 2-core build machine, and the checksums' share of it fell
-        from 2.5-3.4 x the least hashing costs to ~0 (``benchmarks/results/checksums.md``).
+        0.80-0.87 x the time on the 2-core build machine, and the checksums' share of it fell
+        from 2.9-3.7 x the least hashing costs to 0.4-1.4 x (``benchmarks/results/
+        checksums.md``, ``checksums_rerun.md``; ``docs/paging.md`` has the rest).
         """
         threads = torch.get_num_threads()
         fewer = max(1, threads - copy_threads)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tightfit.optim.adamw import PagedAdam, PagedAdamW
-from tightfit.tiers.copy import CopyQueue, CudaCopyEngine
+from tightfit.tiers.copy import CudaCopyEngine
+from tightfit.tiers.copy_queue import CopyQueue
 
 from .counting import CountingCudaEngine, count_copies
 

@@ -3,6 +3,8 @@
 Here:
     copy: ``CopyEngine``/``CudaCopyEngine``: copies between a home (host buffer, spill map)
         and a device slot: a worker thread for the spill map, a CUDA side stream with events.
+    copy_queue: ``CopyQueue``, the in-order queue of copies the CPU engine's worker (or the
+        thread waiting for one) runs.
     regions: ``RegionPool`` of pinned host or disk regions (offloaded activations' homes,
         the paged optimizer's host pages), ``tier_capacity``.
     pinned: ``PinnedHost``, the one place host memory is pinned (registered buffers,

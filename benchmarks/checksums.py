@@ -73,32 +73,30 @@ def in_cache_speed(rounds: int = 200) -> float:
     return buf.numel() / best
 
 
-def raw_in_cache_speed(rounds: int = 2000) -> float:
-    """Bytes per second of XXH3-64 itself on a 256 KiB buffer in cache (median of ``rounds``
-    calls on a ``memoryview``): what :func:`in_cache_speed` measures without ``checksum()``'s
-    checks and tensor-to-numpy conversion, which cost about as much as the hash at this size.
-    A chunk's streaming ``update`` in the copy pass pays neither."""
+def _median_speed(hash_once: Callable[[memoryview], object], rounds: int) -> float:
+    """Bytes per second of ``hash_once`` on a 256 KiB buffer in cache (median of ``rounds``)."""
     view = memoryview(torch.randn(64 << 10).view(torch.uint8).numpy())
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        xxhash.xxh3_64_intdigest(view)
+        hash_once(view)
         times.append(time.perf_counter() - t0)
     return view.nbytes / statistics.median(times)
+
+
+def raw_in_cache_speed(rounds: int = 2000) -> float:
+    """Bytes per second of XXH3-64 itself on a 256 KiB buffer in cache (median of ``rounds``
+    calls on a ``memoryview``): what :func:`in_cache_speed` measures without ``checksum()``'s
+    checks and tensor-to-numpy conversion, which cost about as much as the hash at this size.
+    The one-shot digest of a chunk in the copy pass pays neither."""
+    return _median_speed(xxhash.xxh3_64_intdigest, rounds)
 
 
 def streaming_in_cache_speed(rounds: int = 2000) -> float:
     """Bytes per second of a streaming XXH3-64 ``update`` of the same 256 KiB (median of
     ``rounds``): what the copy pass paid per chunk until b10e237, against the one-shot digest
     of :func:`raw_in_cache_speed` it pays now."""
-    view = memoryview(torch.randn(64 << 10).view(torch.uint8).numpy())
-    h = xxhash.xxh3_64()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        h.update(view)
-        times.append(time.perf_counter() - t0)
-    return view.nbytes / statistics.median(times)
+    return _median_speed(xxhash.xxh3_64().update, rounds)
 
 
 def _copy_thread_cpu() -> float | None:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tightfit.distributed.launch import fsdp_unavailable, run_torchrun
 
-from ..train.helpers import tiny_llama
+from ..train.helpers import tiny_llama, tiny_run_args
 
 pytestmark = [
     pytest.mark.distributed,
@@ -24,10 +24,7 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).with_name("oom_worker.py")
-ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "100", "--track-every", "0",
-        "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",
-        "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8",
-        "--lora-dropout", "0", "--lr", "2e-3", "--tokenizer", "bytes"]  # fmt: skip
+ARGS = tiny_run_args(save_every=100)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,16 @@ def tiny_llama(folder: Path, vocab_size: int = 256, positions: int = 64, *,
     return folder
 
 
+def tiny_run_args(save_every: int) -> list[str]:
+    """``tightfit train`` options for a seconds-long run of the whole stack on
+    :func:`tiny_llama` (NF4, LoRA r=4, checkpointing, PagedAdamW paging under a 16 KiB budget,
+    no LoRA dropout, byte tokens), saving every ``save_every`` steps."""
+    return ["--batch-size", "4", "--seq-len", "16", "--save-every", str(save_every),
+            "--track-every", "0", "--checkpoint", "uniform:2", "--device", "cpu",
+            "--page-bytes", "4KiB", "--device-budget", "16KiB", "--lora-r", "4",
+            "--lora-alpha", "8", "--lora-dropout", "0", "--lr", "2e-3", "--tokenizer", "bytes"]
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte → printable character map (what a byte-level BPE's vocabulary holds)."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from tightfit.distributed.launch import fsdp_unavailable, run_torchrun
 from tightfit.train.job import TrainJob
 
-from .helpers import tiny_llama
+from .helpers import tiny_llama, tiny_run_args
 
 pytestmark = [
     pytest.mark.distributed,
@@ -50,10 +50,7 @@ def test_global_batch_must_split_over_ranks(monkeypatch) -> None:
 # sharded and gathered a block at a time (ZeRO-3 for blocks with a frozen base). A fixed checkpoint plan instead of the budget
 # planner and no activation tracking keep it to ~1 s of CPU per run. No LoRA dropout: 2 ranks
 # draw other dropout masks than one process does; lr 2e-3 so that 3 steps visibly train.
-ARGS = ["--batch-size", "4", "--seq-len", "16", "--save-every", "2", "--track-every", "0",
-        "--checkpoint", "uniform:2", "--device", "cpu", "--page-bytes", "4KiB",
-        "--device-budget", "16KiB", "--lora-r", "4", "--lora-alpha", "8",
-        "--lora-dropout", "0", "--lr", "2e-3", "--tokenizer", "bytes"]  # fmt: skip
+ARGS = tiny_run_args(save_every=2)
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,8 @@ def page_checksum(data: torch.Tensor) -> int:
     its bytes, then that of those digests (a page of one chunk: its :func:`checksum`); the
     chunks of each :data:`STRIPE` hashed on one of several cores. The disk tier's checksums
     live in memory and are only ever compared with each other, so the chunks are a speed
-    choice (a one-shot XXH3 of 256 KiB in cache ran 106 GiB/s here, a streaming update of the
-    same bytes 74 GiB/s), not a file format.
+    choice (a one-shot XXH3 of 256 KiB in cache ran 116.6 GiB/s here, a streaming update of
+    the same bytes 72.6 GiB/s: ``benchmarks/results/checksums.md``), not a file format.
 
     Raises:
         ValueError: ``data`` is not a contiguous uint8 tensor in CPU memory.

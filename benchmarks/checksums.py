@@ -31,6 +31,7 @@ Writes ``benchmarks/results/checksums.md``. Run: ``.venv/bin/python benchmarks/c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from tightfit.integrity import checksums  # noqa: E402
-from tightfit.integrity.checksums import CHUNK, STRIPE, checksum, copy_and_checksum  # noqa: E402
+from tightfit.integrity.checksums import STRIPE, checksum, copy_and_checksum  # noqa: E402
 from tightfit.optim.adamw import PagedAdamW  # noqa: E402
 from tightfit.paging import disk, sweep  # noqa: E402
 
@@ -156,8 +157,8 @@ def _cpu() -> float:
 
 def _chunked(dst: np.ndarray, src: np.ndarray, stripe: slice) -> list[int]:
     """One stripe copied :data:`CHUNK` by chunk, unhashed: the modes without a hash."""
-    for x in range(stripe.start, stripe.stop, CHUNK):
-        np.copyto(dst[x : min(x + CHUNK, stripe.stop)], src[x : min(x + CHUNK, stripe.stop)])
+    for x, y in checksums._chunks(stripe):
+        np.copyto(dst[x:y], src[x:y])
     return []
 
 
@@ -166,8 +167,7 @@ def _streamed(dst: np.ndarray, src: np.ndarray, landed: memoryview, stripe: slic
     """One stripe copied chunk by chunk into a streaming XXH3 of the whole stripe (the pager
     until commit b10e237; the page checksum was then that of the stripes' digests)."""
     h = xxhash.xxh3_64()
-    for x in range(stripe.start, stripe.stop, CHUNK):
-        y = min(x + CHUNK, stripe.stop)
+    for x, y in checksums._chunks(stripe):
         np.copyto(dst[x:y], src[x:y])
         h.update(landed[x:y])
     return [h.intdigest()]
@@ -175,7 +175,7 @@ def _streamed(dst: np.ndarray, src: np.ndarray, landed: memoryview, stripe: slic
 
 def _streaming(dst: torch.Tensor, src: torch.Tensor) -> int:
     d, s = dst.numpy(), src.numpy()
-    return checksums._striped(d.size, lambda st: _streamed(d, s, memoryview(d), st))
+    return checksums._striped(d.size, functools.partial(_streamed, d, s, memoryview(d)))
 
 
 def _off(dst: torch.Tensor, src: torch.Tensor) -> int:
